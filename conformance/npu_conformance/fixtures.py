@@ -1,0 +1,53 @@
+"""Session fixtures shared by scenarios and tests: tiny models built once per session.
+
+Nothing here imports numpy, torch or tokenizers until a fixture is used.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """Factory ``tiny_model_dir(arch, seed=0, **config_overrides) -> Path``.
+
+    Builds the model with ``npusim.tinymodel.build`` the first time a combination is asked
+    for in this session (per xdist worker) and returns the cached directory afterwards.
+    Skips when the ``tokenizers`` package (extra ``models``) is missing.
+    """
+    built: dict[str, Path] = {}
+
+    def make(arch: str, seed: int = 0, **overrides: Any) -> Path:
+        pytest.importorskip("tokenizers", reason="building tiny models needs the 'models' extra")
+        from npusim import tinymodel
+
+        key = json.dumps([arch, seed, overrides], sort_keys=True, default=str)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-s{seed}")
+            built[key] = tinymodel.build(arch, out, seed=seed, **overrides)
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def golden_decoder(tiny_model_dir: Callable[..., Path]) -> Callable[..., Any]:
+    """Factory ``golden_decoder(arch, seed=0, **config_overrides) -> npusim.llm.Decoder``,
+    cached per session like :func:`tiny_model_dir`."""
+    loaded: dict[Path, Any] = {}
+
+    def make(arch: str, seed: int = 0, **overrides: Any) -> Any:
+        from npusim.llm import Decoder
+
+        path = tiny_model_dir(arch, seed, **overrides)
+        if path not in loaded:
+            loaded[path] = Decoder.from_pretrained(path)
+        return loaded[path]
+
+    return make

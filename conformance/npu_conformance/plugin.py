@@ -1,0 +1,170 @@
+"""The pytest plugin (entry point ``pytest11``): ``--target``, ``--report``, the ``target``
+parametrization of scenarios, availability skips, and report writing.
+
+A scenario is a test function that takes the ``target`` fixture. It is collected once per
+selected target. Its ``@pytest.mark.scenario(devices=(...))`` marker says which device
+families it applies to; on other targets it is reported as unsupported. Unavailable targets
+are skipped with the probe's one-line reason, never silently passed.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from npu_conformance import report as report_mod
+from npu_conformance import results as res
+from npu_conformance import targets as tg
+from npu_conformance.fixtures import golden_decoder, tiny_model_dir  # noqa: F401 (fixtures)
+
+_TARGETS_KEY = pytest.StashKey[list[str]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("npu-harness", "npu-harness conformance targets")
+    group.addoption(
+        "--target",
+        action="append",
+        dest="npu_targets",
+        metavar="TARGET",
+        help=(
+            "target to run scenarios on (repeatable): 'sim' (the reference and every "
+            f"simulator) or one of {', '.join(tg.TARGETS)}. Default: $NPU_HARNESS_TARGET, else sim."
+        ),
+    )
+    group.addoption(
+        "--report",
+        dest="npu_report",
+        metavar="DIR",
+        default=None,
+        help="write report.json and report.md of the scenario results into DIR",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "scenario(devices=None, name=None): a conformance scenario; devices limits the "
+        "device families it applies to (None: all); name overrides the report row name",
+    )
+    names = config.getoption("npu_targets") or tg.env_targets() or [tg.SIM_ALIAS]
+    try:
+        config.stash[_TARGETS_KEY] = tg.expand(names)
+    except tg.UnknownTargetError as exc:
+        raise pytest.UsageError(str(exc)) from exc
+    config.pluginmanager.register(_Collector(config), "npu_conformance.collector")
+
+
+def selected_targets(config: pytest.Config) -> list[str]:
+    """The expanded ``--target`` selection of this run."""
+    return config.stash[_TARGETS_KEY]
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "target" in metafunc.fixturenames:
+        metafunc.parametrize("target", selected_targets(metafunc.config), indirect=True)
+
+
+def _scenario_name(item: pytest.Item) -> str:
+    marker = item.get_closest_marker("scenario")
+    base = (marker.kwargs.get("name") if marker else None) or item.originalname.removeprefix("test_")
+    module = item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_") if item.module else ""
+    callspec = getattr(item, "callspec", None)
+    params = {k: v for k, v in callspec.params.items() if k != "target"} if callspec else {}
+    suffix = "[" + ",".join(str(v) for v in params.values()) + "]" if params else ""
+    return f"{module}.{base}{suffix}"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        if callspec is None or "target" not in callspec.params:
+            continue
+        item.user_properties.append((res.KEY_SCENARIO, _scenario_name(item)))
+        item.user_properties.append((res.KEY_TARGET, callspec.params["target"]))
+
+
+@pytest.fixture
+def target(request: pytest.FixtureRequest) -> tg.Target:
+    """The :class:`~npu_conformance.targets.Target` this scenario instance runs on.
+
+    Skips (reported ``unsupported``) when the scenario's ``devices`` exclude the target's
+    device, and skips (reported ``skipped``) with the probe's reason when the target is
+    unavailable on this machine.
+    """
+    name: str = request.param
+    tgt = tg.TARGETS[name]
+    marker = request.node.get_closest_marker("scenario")
+    devices = marker.kwargs.get("devices") if marker else None
+    if devices is not None and tgt.device not in devices:
+        request.node.user_properties.append((res.KEY_STATUS, res.UNSUPPORTED))
+        pytest.skip(f"unsupported on {name}: scenario covers {', '.join(devices)}")
+    avail = tg.availability(name)
+    if not avail.available:
+        pytest.skip(f"{name} unavailable: {avail.reason}")
+    return tgt
+
+
+@pytest.fixture
+def record(request: pytest.FixtureRequest) -> res.Recorder:
+    """Records measured figures of this scenario into the report."""
+    return res.Recorder(request.node.user_properties)
+
+
+def _result_from_report(report: pytest.TestReport) -> res.ScenarioResult | None:
+    props = dict((k, v) for k, v in report.user_properties if k != res.KEY_FIGURE)
+    if res.KEY_SCENARIO not in props:
+        return None
+    if report.passed:
+        status = res.PASS
+    elif report.failed:
+        status = res.FAIL
+    else:
+        status = props.get(res.KEY_STATUS, res.SKIPPED)
+    message = ""
+    if report.skipped and isinstance(report.longrepr, tuple):
+        message = str(report.longrepr[2]).removeprefix("Skipped: ")
+    elif report.failed:
+        crash = getattr(report.longrepr, "reprcrash", None)
+        message = crash.message if crash is not None else report.longreprtext.strip()[-500:]
+    figures = [res.Figure(*v) for k, v in report.user_properties if k == res.KEY_FIGURE]
+    return res.ScenarioResult(
+        scenario=str(props[res.KEY_SCENARIO]),
+        target=str(props[res.KEY_TARGET]),
+        status=status,
+        duration_s=report.duration,
+        message=message,
+        figures=figures,
+    )
+
+
+class _Collector:
+    """Collects one :class:`ScenarioResult` per scenario instance and writes the report.
+
+    Registered in :func:`pytest_configure`; in an xdist run only the controller writes.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.results: dict[tuple[str, str], res.ScenarioResult] = {}
+        self.started = time.time()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # Every phase reaches here (xdist workers' reports too). Keep the call phase, or the
+        # phase that did not pass; a teardown failure replaces a passing call.
+        if report.when == "call" or not report.passed:
+            result = _result_from_report(report)
+            if result is not None:
+                self.results[(result.scenario, result.target)] = result
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        out = self.config.getoption("npu_report")
+        if out and not hasattr(self.config, "workerinput"):
+            report_mod.write(
+                Path(out),
+                results=list(self.results.values()),
+                targets=selected_targets(self.config),
+                started=self.started,
+            )

@@ -1,0 +1,220 @@
+"""The target registry: what each target is, which runtime backs its seam, and whether this
+machine can run it (the reasons ``npu-harness doctor`` prints).
+
+A probe never raises: whatever goes wrong becomes an :class:`Availability` with a one-line
+reason naming the import or device probe that failed.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import os
+import platform
+import shutil
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from vllm_npu.targets import TARGET_NAMES, UnknownTargetError
+
+#: Column of the golden numpy decoder: the reference every device target is compared with.
+REFERENCE = "ref"
+#: Alias that expands to the reference and every simulator target.
+SIM_ALIAS = "sim"
+
+
+@dataclass(frozen=True)
+class Availability:
+    """Whether a target can run here; ``reason`` is one line either way."""
+
+    available: bool
+    reason: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """One column of the conformance table.
+
+    Attributes:
+        name: the user-facing target name (``mblt-sim``...).
+        device: device family (``ref``, ``mblt``, ``rbln``, ``neuron``, ``ime2``).
+        kind: ``reference``, ``sim`` or ``hw``.
+        runtime: the module that backs the device seam on this target.
+        probe: returns this machine's :class:`Availability` for the target; never raises.
+    """
+
+    name: str
+    device: str
+    kind: str
+    runtime: str
+    probe: Callable[[], Availability]
+
+    @property
+    def is_hardware(self) -> bool:
+        return self.kind == "hw"
+
+
+def _import_reason(module: str, hint: str = "") -> Availability | None:
+    """None when ``module`` imports; else an unavailable Availability naming the failure."""
+    try:
+        importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - any failure is a reason, never a crash
+        extra = f" ({hint})" if hint else ""
+        return Availability(False, f"import {module} failed: {type(exc).__name__}: {exc}{extra}")
+    return None
+
+
+def _seam_reason(module: str, symbol: str) -> Availability | None:
+    """None when ``module.symbol`` resolves; the NotImplementedError text (naming the issue)
+    when the simulator is not built yet."""
+    failed = _import_reason(module)
+    if failed:
+        return failed
+    try:
+        getattr(importlib.import_module(module), symbol)
+    except NotImplementedError as exc:
+        return Availability(False, str(exc))
+    except AttributeError as exc:
+        return Availability(False, f"{module}.{symbol} missing: {exc}")
+    return None
+
+
+def _probe_reference() -> Availability:
+    failed = _seam_reason("npusim.llm", "Decoder")
+    if failed:
+        return failed
+    import numpy
+
+    return Availability(True, f"npusim.llm golden decoder on numpy {numpy.__version__}")
+
+
+def _probe_sim(module: str, symbol: str, what: str) -> Callable[[], Availability]:
+    def probe() -> Availability:
+        failed = _seam_reason(module, symbol)
+        return failed or Availability(True, f"{module} ({what})")
+
+    return probe
+
+
+def _probe_ime2_qemu() -> Availability:
+    failed = _seam_reason("npusim.q4x32", "ime2_hp_gemm")
+    if failed:
+        return failed
+    qemu = shutil.which("qemu-riscv64-static")
+    if not qemu:
+        return Availability(False, "qemu-riscv64-static not on PATH (Debian package qemu-user-static)")
+    return Availability(True, f"npusim.q4x32 + {qemu}")
+
+
+def _probe_mblt_hw() -> Availability:
+    failed = _import_reason("qbruntime", "pip install mobilint-qb-runtime")
+    if failed:
+        return failed
+    import qbruntime
+
+    try:
+        devices = qbruntime.get_available_devices()
+    except Exception as exc:  # noqa: BLE001
+        return Availability(False, f"qbruntime.get_available_devices() failed: {exc}")
+    if not devices:
+        return Availability(False, "qbruntime.get_available_devices() found no Mobilint device")
+    return Availability(True, f"qbruntime devices: {', '.join(map(str, devices))}")
+
+
+def _probe_rbln_hw() -> Availability:
+    failed = _import_reason("rebel", "the RBLN SDK's rebel-compiler")
+    if failed:
+        return failed
+    import rebel
+
+    try:
+        count = rebel.device_count()
+    except Exception as exc:  # noqa: BLE001
+        return Availability(False, f"rebel.device_count() failed: {exc}")
+    if count < 1:
+        return Availability(False, "rebel.device_count() is 0: no RBLN NPU")
+    return Availability(True, f"{count} RBLN NPU(s): {rebel.get_npu_name(0)}")
+
+
+def _probe_neuron_hw() -> Availability:
+    nodes = sorted(glob.glob("/dev/neuron*"))
+    if not nodes:
+        return Availability(False, "no /dev/neuron* device node: no Neuron device")
+    return Availability(True, f"Neuron devices: {', '.join(nodes)}")
+
+
+def _probe_ime2_hw(cpuinfo: str = "/proc/cpuinfo") -> Availability:
+    machine = platform.machine()
+    if machine != "riscv64":
+        return Availability(False, f"host is {machine}, not riscv64 (needs a SpacemiT K3 board)")
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
+            info = fh.read().lower()
+    except OSError as exc:
+        return Availability(False, f"cannot read {cpuinfo}: {exc}")
+    if "spacemit" not in info and "k3" not in info:
+        return Availability(False, f"{cpuinfo} names no SpacemiT K3 core")
+    failed = _seam_reason("vllm_npu.ime2", "ime2_hp_gemm_cpu")
+    return failed or Availability(True, "SpacemiT K3 with the IME2 kernel")
+
+
+#: Every target, in report-column order: the reference first, then each device's sim and hw.
+TARGETS: dict[str, Target] = {
+    t.name: t
+    for t in (
+        Target(REFERENCE, "ref", "reference", "npusim.llm", _probe_reference),
+        Target("mblt-sim", "mblt", "sim", "npusim.mxq",
+               _probe_sim("npusim.mxq", "Accelerator", "qbruntime surface")),
+        Target("mblt-hw", "mblt", "hw", "qbruntime", _probe_mblt_hw),
+        Target("rbln-sim", "rbln", "sim", "npusim.rbln",
+               _probe_sim("npusim.rbln", "Runtime", "rebel surface")),
+        Target("rbln-hw", "rbln", "hw", "rebel", _probe_rbln_hw),
+        Target("neuron-sim", "neuron", "sim", "npusim.neff",
+               _probe_sim("npusim.neff", "NeffProgram", "Neuron runtime surface")),
+        Target("neuron-hw", "neuron", "hw", "neuron runtime", _probe_neuron_hw),
+        Target("ime2-qemu", "ime2", "sim", "kernels/ime2 under qemu-riscv64", _probe_ime2_qemu),
+        Target("ime2-hw", "ime2", "hw", "kernels/ime2 on the K3", _probe_ime2_hw),
+    )
+}
+assert tuple(n for n in TARGETS if n != REFERENCE) == TARGET_NAMES
+
+
+def expand(names: Iterable[str]) -> list[str]:
+    """Expand aliases and deduplicate, keeping registry order.
+
+    ``sim`` is the reference column plus every simulator target. The reference column is
+    always part of a run that names any simulator target.
+
+    Raises:
+        UnknownTargetError: a name that is neither a target nor ``sim``.
+    """
+    wanted: set[str] = set()
+    for name in names:
+        if name == SIM_ALIAS:
+            wanted.update(n for n, t in TARGETS.items() if t.kind in ("reference", "sim"))
+        elif name in TARGETS:
+            wanted.add(name)
+        else:
+            raise UnknownTargetError(
+                f"unknown target {name!r}; expected {SIM_ALIAS!r} or one of: {', '.join(TARGETS)}"
+            )
+    return [n for n in TARGETS if n in wanted]
+
+
+_cache: dict[str, Availability] = {}
+
+
+def availability(name: str) -> Availability:
+    """The (memoized per process) availability of target ``name``."""
+    if name not in _cache:
+        try:
+            _cache[name] = TARGETS[name].probe()
+        except Exception as exc:  # noqa: BLE001 - a probe bug must not crash the suite
+            _cache[name] = Availability(False, f"probe crashed: {type(exc).__name__}: {exc}")
+    return _cache[name]
+
+
+def env_targets() -> list[str] | None:
+    """Targets named by ``NPU_HARNESS_TARGET`` when it is set (used as the pytest default)."""
+    value = os.environ.get("NPU_HARNESS_TARGET", "").strip()
+    return [value] if value else None

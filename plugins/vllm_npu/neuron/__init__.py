@@ -1,0 +1,14 @@
+"""AWS Neuron vLLM plugin: device adapter over the Neuron runtime API (no issue filed yet)."""
+
+from __future__ import annotations
+
+from vllm_npu.targets import platform_for
+
+
+def register() -> str | None:
+    """vLLM platform-plugin entry point (group ``vllm.platform_plugins``).
+
+    Returns the platform class's qualified name when ``NPU_HARNESS_TARGET`` names one of
+    this device's targets, else None (the plugin stays inactive).
+    """
+    return platform_for("neuron", "vllm_npu.neuron.platform.NeuronPlatform")

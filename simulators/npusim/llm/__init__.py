@@ -1,0 +1,35 @@
+"""Golden numpy reference decoder for Llama / Qwen2 / Qwen3 checkpoints (numpy only).
+
+Public API::
+
+    from npusim.llm import (ModelConfig, load_config, Decoder, KVCache,
+                            KVCacheOverflowError, UnsupportedModelError, CheckpointError,
+                            load_safetensors, save_safetensors, RopeConfig)
+"""
+
+from __future__ import annotations
+
+from .config import SUPPORTED_MODEL_TYPES, ModelConfig, load_config
+from .decoder import Decoder, expected_tensor_shapes
+from .errors import CheckpointError, KVCacheOverflowError, UnsupportedModelError
+from .kvcache import KVCache
+from .rope import SUPPORTED_ROPE_TYPES, RopeConfig, apply_rope
+from .safetensors import load_safetensors, read_safetensors_header, save_safetensors
+
+__all__ = [
+    "SUPPORTED_MODEL_TYPES",
+    "SUPPORTED_ROPE_TYPES",
+    "CheckpointError",
+    "Decoder",
+    "KVCache",
+    "KVCacheOverflowError",
+    "ModelConfig",
+    "RopeConfig",
+    "UnsupportedModelError",
+    "apply_rope",
+    "expected_tensor_shapes",
+    "load_config",
+    "load_safetensors",
+    "read_safetensors_header",
+    "save_safetensors",
+]

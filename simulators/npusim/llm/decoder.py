@@ -1,0 +1,387 @@
+"""The golden numpy decoder for Llama / Qwen2 / Qwen3 checkpoints.
+
+Computation per layer, as in transformers' eager implementation::
+
+    h = h + o_proj(attention(rope(q_norm?(q_proj(rms(h)))), rope(k_norm?(k_proj(rms(h)))), v_proj(rms(h))))
+    h = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+
+then a final RMSNorm and the LM head. Attention is grouped-query and causal over the
+sequence's KV cache: query ``t`` of a chunk appended at cache length ``L`` sees keys
+``0 .. L + t``. Matrix products run in the decoder's dtype (float32 by default); RMSNorm and
+softmax run in at least float32; logits are returned as float32.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from .config import ModelConfig, load_config
+from .errors import CheckpointError, KVCacheOverflowError
+from .kvcache import KVCache
+from .rope import apply_rope
+from .safetensors import load_safetensors
+
+__all__ = ["Decoder", "expected_tensor_shapes"]
+
+_SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """HF tensor name -> shape of every weight the decoder needs for ``config``.
+
+    ``lm_head.weight`` is listed only when embeddings are untied.
+    """
+    c = config
+    h, q, kv, inter = c.hidden_size, c.q_size, c.kv_size, c.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(c.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if c.attention_bias:
+            shapes[p + "self_attn.q_proj.bias"] = (q,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv,)
+        if c.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if c.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+        if c.mlp_bias:
+            shapes[p + "mlp.gate_proj.bias"] = (inter,)
+            shapes[p + "mlp.up_proj.bias"] = (inter,)
+            shapes[p + "mlp.down_proj.bias"] = (h,)
+    if not c.tie_word_embeddings:
+        shapes["lm_head.weight"] = (c.vocab_size, h)
+    return shapes
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, compute: np.dtype) -> np.ndarray:
+    """RMSNorm over the last axis, in ``compute`` precision, then scaled by ``weight`` (as HF)."""
+    xc = x.astype(compute, copy=False)
+    var = np.mean(xc * xc, axis=-1, keepdims=True)
+    normed = (xc / np.sqrt(var + compute.type(eps))).astype(x.dtype, copy=False)
+    return weight * normed
+
+
+def _silu(x: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        return x / (x.dtype.type(1) + np.exp(-x))
+
+
+class Decoder:
+    """A decoder-only transformer (Llama / Qwen2 / Qwen3) evaluated with numpy.
+
+    Attributes:
+        config: the :class:`ModelConfig`.
+        dtype: dtype of weights, activations and KV caches (float16, float32 or float64).
+    """
+
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32, *, source: str = "weights") -> None:
+        """Check ``weights`` against ``config`` and keep them (cast to ``dtype``).
+
+        Args:
+            config: the architecture.
+            weights: HF tensor name -> array (extra tensors are ignored).
+            dtype: float16, float32 (default) or float64.
+            source: where the weights came from, for error messages.
+
+        Raises:
+            CheckpointError: a tensor is missing or its shape differs from the one ``config``
+                implies (both shapes are named).
+            ValueError: unsupported ``dtype``.
+        """
+        dt = np.dtype(dtype)
+        if dt not in _SUPPORTED_DTYPES:
+            raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
+        self.config = config
+        self.dtype = dt
+        self._compute = np.promote_types(dt, np.float32)
+        w: dict[str, np.ndarray] = {}
+        for name, shape in expected_tensor_shapes(config).items():
+            if name not in weights:
+                raise CheckpointError(f"{source}: missing tensor {name!r} (expected shape {shape})")
+            arr = np.asarray(weights[name])
+            if arr.shape != shape:
+                raise CheckpointError(
+                    f"{source}: tensor {name!r} has shape {arr.shape} but the config implies {shape}"
+                )
+            w[name] = np.ascontiguousarray(arr, dtype=dt)
+        self._embed = w["model.embed_tokens.weight"]
+        self._lm_head = self._embed if config.tie_word_embeddings else w["lm_head.weight"]
+        self._final_norm = w["model.norm.weight"]
+        self._layers: list[dict[str, np.ndarray | None]] = []
+        for i in range(config.num_hidden_layers):
+            p = f"model.layers.{i}."
+            self._layers.append(
+                {
+                    "ln1": w[p + "input_layernorm.weight"],
+                    "ln2": w[p + "post_attention_layernorm.weight"],
+                    "wq": w[p + "self_attn.q_proj.weight"],
+                    "wk": w[p + "self_attn.k_proj.weight"],
+                    "wv": w[p + "self_attn.v_proj.weight"],
+                    "wo": w[p + "self_attn.o_proj.weight"],
+                    "bq": w.get(p + "self_attn.q_proj.bias"),
+                    "bk": w.get(p + "self_attn.k_proj.bias"),
+                    "bv": w.get(p + "self_attn.v_proj.bias"),
+                    "bo": w.get(p + "self_attn.o_proj.bias"),
+                    "qn": w.get(p + "self_attn.q_norm.weight"),
+                    "kn": w.get(p + "self_attn.k_norm.weight"),
+                    "wg": w[p + "mlp.gate_proj.weight"],
+                    "wu": w[p + "mlp.up_proj.weight"],
+                    "wd": w[p + "mlp.down_proj.weight"],
+                    "bg": w.get(p + "mlp.gate_proj.bias"),
+                    "bu": w.get(p + "mlp.up_proj.bias"),
+                    "bd": w.get(p + "mlp.down_proj.bias"),
+                }
+            )
+
+    @classmethod
+    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: np.dtype | type = np.float32) -> Decoder:
+        """Load ``config.json`` and the safetensors weights (single file or sharded) of an HF model directory.
+
+        Raises:
+            CheckpointError: missing/malformed config or weights, missing tensor, shape mismatch.
+            UnsupportedModelError: the config asks for an unsupported feature.
+        """
+        d = Path(model_dir)
+        config = load_config(d)
+        weights = load_safetensors(d)
+        return cls(config, weights, dtype=dtype, source=str(d))
+
+    # ------------------------------------------------------------------ public API
+
+    def new_cache(self, capacity: int) -> KVCache:
+        """An empty :class:`KVCache` for this model holding up to ``capacity`` tokens.
+
+        Raises:
+            ValueError: ``capacity`` is negative or not an integer.
+        """
+        c = self.config
+        return KVCache(c.num_hidden_layers, c.num_key_value_heads, c.head_dim, capacity, dtype=self.dtype)
+
+    def embed(self, token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
+        """Embedding rows of ``token_ids``: ``[T, hidden_size]`` in the decoder's dtype.
+
+        ``T`` may be 0 here (an empty ``[0, hidden_size]`` array).
+
+        Raises:
+            ValueError: ids are not a 1-D sequence of integers, or an id is outside
+                ``[0, vocab_size)`` (the message names the id and the vocabulary size).
+        """
+        ids = self._check_ids(token_ids, allow_empty=True)
+        return self._embed[ids]
+
+    def prefill(self, token_ids: Sequence[int] | np.ndarray, cache: KVCache) -> np.ndarray:
+        """Append ``T >= 1`` tokens to ``cache`` and return their logits ``[T, vocab_size]`` (float32).
+
+        Works for any chunk size; feeding a prompt in several chunks gives the same logits
+        as one call (up to float rounding), and a single token is a decode step.
+
+        Raises:
+            ValueError: empty chunk, or an id outside ``[0, vocab_size)``; a cache of the
+                wrong geometry.
+            KVCacheOverflowError: the tokens do not fit (nothing is written).
+        """
+        return self.step_batch([(token_ids, cache)])[0]
+
+    def forward_embeddings(self, embeds: np.ndarray, cache: KVCache) -> np.ndarray:
+        """Like :meth:`prefill`, from input embeddings ``[T, hidden_size]`` (``T >= 1``).
+
+        Raises:
+            ValueError: ``embeds`` is not ``[T, hidden_size]`` with ``T >= 1`` (shapes named).
+            KVCacheOverflowError: the tokens do not fit (nothing is written).
+        """
+        x = np.asarray(embeds)
+        h = self.config.hidden_size
+        if x.ndim != 2 or x.shape[1] != h or x.shape[0] < 1:
+            raise ValueError(f"expected embeddings of shape [T, {h}] with T >= 1, got shape {x.shape}")
+        if x.dtype.kind not in "fiu":
+            raise ValueError(f"embeddings must be numeric, got dtype {x.dtype}")
+        return self._forward([x.astype(self.dtype, copy=False)], [cache])[0]
+
+    def step_batch(self, batch: Sequence[tuple[Sequence[int] | np.ndarray, KVCache]]) -> list[np.ndarray]:
+        """Run several sequences in one flattened batch; returns ``[T_i, vocab_size]`` float32 per sequence.
+
+        All sequences' tokens are concatenated into one ``[sum T_i, hidden_size]`` activation
+        for embedding, norms, projections and MLP (as vLLM flattens a batch); attention runs
+        per sequence against its own cache. Results equal per-sequence :meth:`prefill`.
+
+        Every input and every cache's free space is checked before anything is written, so a
+        failed call leaves all caches unchanged.
+
+        Raises:
+            ValueError: an empty chunk, a bad token id, the same cache twice, or a cache of
+                the wrong geometry.
+            KVCacheOverflowError: a sequence's tokens do not fit in its cache.
+        """
+        xs, caches = [], []
+        for i, item in enumerate(batch):
+            try:
+                token_ids, cache = item
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"batch item {i} must be a (token_ids, cache) pair") from exc
+            ids = self._check_ids(token_ids, allow_empty=False)
+            xs.append(self._embed[ids])
+            caches.append(cache)
+        return self._forward(xs, caches)
+
+    def generate_greedy(
+        self,
+        prompt_ids: Sequence[int] | np.ndarray,
+        max_new_tokens: int,
+        capacity: int | None = None,
+        eos_token_id: int | Iterable[int] | None = None,
+    ) -> list[int]:
+        """Greedy (argmax, lowest id on ties) decoding after a prompt.
+
+        Args:
+            prompt_ids: at least one token id.
+            max_new_tokens: how many tokens to generate at most (>= 0).
+            capacity: KV cache capacity in tokens; default ``len(prompt) + max_new_tokens``.
+            eos_token_id: stop after generating this id (or any of these ids); the eos token
+                is included in the result. ``None``: never stop early.
+
+        Returns:
+            The new token ids (without the prompt).
+
+        Raises:
+            ValueError: empty prompt, bad id, negative ``max_new_tokens``.
+            KVCacheOverflowError: ``capacity`` is smaller than the
+                ``len(prompt) + max_new_tokens - 1`` tokens that must be cached (raised
+                before any compute).
+        """
+        ids = self._check_ids(prompt_ids, allow_empty=False)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an integer >= 0, got {max_new_tokens!r}")
+        if max_new_tokens == 0:
+            return []
+        needed = len(ids) + int(max_new_tokens) - 1
+        if capacity is None:
+            capacity = len(ids) + int(max_new_tokens)
+        if capacity < needed:
+            raise KVCacheOverflowError(capacity, 0, needed)
+        stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, (int, np.integer)) else {int(e) for e in eos_token_id})
+        cache = self.new_cache(capacity)
+        logits = self.prefill(ids, cache)
+        out: list[int] = []
+        while True:
+            tok = int(np.argmax(logits[-1]))
+            out.append(tok)
+            if tok in stop or len(out) >= max_new_tokens:
+                return out
+            logits = self.prefill([tok], cache)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_ids(self, token_ids: Sequence[int] | np.ndarray, allow_empty: bool) -> np.ndarray:
+        arr = np.asarray(token_ids)
+        if arr.ndim != 1:
+            raise ValueError(f"token ids must be a 1-D sequence, got shape {arr.shape}")
+        if arr.size == 0:
+            if allow_empty:
+                return arr.astype(np.int64)
+            raise ValueError("empty chunk: at least one token is required")
+        if arr.dtype.kind not in "iu":
+            raise ValueError(f"token ids must be integers, got dtype {arr.dtype}")
+        vocab = self.config.vocab_size
+        bad = (arr < 0) | (arr >= vocab)
+        if bad.any():
+            first = int(arr[np.argmax(bad)])
+            raise ValueError(f"token id {first} is out of range [0, {vocab}) (vocab_size {vocab})")
+        return arr.astype(np.int64)
+
+    def _check_cache(self, cache: KVCache) -> None:
+        c = self.config
+        if not isinstance(cache, KVCache):
+            raise ValueError(f"expected a KVCache, got {type(cache).__name__}")
+        want = (c.num_hidden_layers, c.num_key_value_heads, c.head_dim)
+        got = (cache.num_layers, cache.num_kv_heads, cache.head_dim)
+        if got != want:
+            raise ValueError(
+                f"KV cache geometry (layers, kv_heads, head_dim)={got} does not match the model's {want}"
+            )
+
+    def _linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
+        y = x @ w.T
+        if b is not None:
+            y += b
+        return y
+
+    def _forward(self, xs: list[np.ndarray], caches: list[KVCache]) -> list[np.ndarray]:
+        if not xs:
+            return []
+        c = self.config
+        # Validate everything before touching any cache.
+        seen: set[int] = set()
+        for x, cache in zip(xs, caches):
+            self._check_cache(cache)
+            if id(cache) in seen:
+                raise ValueError("the same KVCache appears twice in one batch")
+            seen.add(id(cache))
+            cache.check_append(x.shape[0])
+
+        lens = [x.shape[0] for x in xs]
+        bounds = np.concatenate([[0], np.cumsum(lens)])
+        starts = [cache.length for cache in caches]
+        rope_dt = np.float64 if self.dtype == np.float64 else np.float32
+        cos_parts, sin_parts = [], []
+        for start, n in zip(starts, lens):
+            pos = np.arange(start, start + n)
+            cs, sn = c.rope.cos_sin(pos, seq_len=start + n, dtype=rope_dt)
+            cos_parts.append(cs)
+            sin_parts.append(sn)
+        cos = np.concatenate(cos_parts).astype(self.dtype, copy=False)
+        sin = np.concatenate(sin_parts).astype(self.dtype, copy=False)
+
+        n_tok = int(bounds[-1])
+        hd, nh, nkv, groups = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups
+        scale = self._compute.type(hd**-0.5)
+        eps = c.rms_norm_eps
+        h = np.concatenate(xs).astype(self.dtype, copy=False)
+        for li, L in enumerate(self._layers):
+            x = _rms_norm(h, L["ln1"], eps, self._compute)
+            q = self._linear(x, L["wq"], L["bq"]).reshape(n_tok, nh, hd)
+            k = self._linear(x, L["wk"], L["bk"]).reshape(n_tok, nkv, hd)
+            v = self._linear(x, L["wv"], L["bv"]).reshape(n_tok, nkv, hd)
+            if c.qk_norm:
+                q = _rms_norm(q, L["qn"], eps, self._compute)
+                k = _rms_norm(k, L["kn"], eps, self._compute)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            attn = np.empty((n_tok, nh, hd), dtype=self.dtype)
+            for s, cache, start, n in zip(bounds[:-1], caches, starts, lens):
+                cache.write(li, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
+                total = start + n
+                keys = cache.keys[li][:, :total]  # [nkv, S, hd]
+                vals = cache.values[li][:, :total]
+                qs = q[s : s + n].reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
+                scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)).astype(self._compute, copy=False) * scale
+                # causal: query t (position start+t) sees keys 0 .. start+t
+                mask = np.arange(total)[None, :] > (start + np.arange(n))[:, None]
+                scores = np.where(mask, -np.inf, scores)
+                scores = scores - scores.max(axis=-1, keepdims=True)
+                probs = np.exp(scores)
+                probs /= probs.sum(axis=-1, keepdims=True)
+                out = probs.astype(self.dtype, copy=False) @ vals[:, None]  # [nkv, G, n, hd]
+                attn[s : s + n] = out.transpose(2, 0, 1, 3).reshape(n, nh, hd)
+            h = h + self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])
+            x = _rms_norm(h, L["ln2"], eps, self._compute)
+            mlp = _silu(self._linear(x, L["wg"], L["bg"])) * self._linear(x, L["wu"], L["bu"])
+            h = h + self._linear(mlp, L["wd"], L["bd"])
+        h = _rms_norm(h, self._final_norm, eps, self._compute)
+        logits = (h @ self._lm_head.T).astype(np.float32, copy=False)
+        for cache, n in zip(caches, lens):
+            cache.advance(n)
+        return [logits[s : s + n] for s, n in zip(bounds[:-1], lens)]

@@ -1,0 +1,3 @@
+"""Test-suite wiring: pytester for testing the conformance plugin in throwaway projects."""
+
+pytest_plugins = ["pytester"]

@@ -1,0 +1,128 @@
+"""The pytest plugin: target parametrization, statuses, figures and the report files,
+exercised on throwaway scenario files with pytester."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from npu_conformance import targets as tg
+
+SCENARIOS = '''
+import pytest
+
+@pytest.mark.scenario(devices=("ref",))
+def test_passes(target, record):
+    record.figure("speed", 12.5, "tok/s")
+
+@pytest.mark.scenario(devices=("ref",))
+def test_fails(target):
+    assert 1 == 2, "wrong answer on purpose"
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_everywhere(target, arch):
+    pass
+
+def test_not_a_scenario():
+    pass
+'''
+
+
+@pytest.fixture
+def fake_availability(monkeypatch):
+    """ref is available, every other target is not (with a recognisable reason)."""
+
+    def availability(name):
+        if name == "ref":
+            return tg.Availability(True, "fake reference")
+        return tg.Availability(False, f"fake probe says no for {name}")
+
+    monkeypatch.setattr(tg, "availability", availability)
+
+
+def _report(pytester, *args):
+    pytester.makepyfile(test_scn=SCENARIOS)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--report", "out", *args)
+    return result, json.loads((pytester.path / "out" / "report.json").read_text())
+
+
+def _status(report, scenario, target):
+    [row] = [r for r in report["results"] if (r["scenario"], r["target"]) == (scenario, target)]
+    return row
+
+
+def test_sim_expands_to_reference_and_every_simulator(pytester, fake_availability):
+    result, report = _report(pytester, "--target", "sim")
+    assert [t["name"] for t in report["targets"]] == [
+        "ref", "mblt-sim", "rbln-sim", "neuron-sim", "ime2-qemu"]
+    # 2 ref-only scenarios + 2 parametrized everywhere, over 5 targets; the plain test once.
+    result.assert_outcomes(passed=1 + 2 + 1, failed=1, skipped=4 + 4 + 8)
+    assert _status(report, "scn.passes", "ref")["status"] == "pass"
+    assert _status(report, "scn.fails", "ref")["status"] == "fail"
+    assert "wrong answer on purpose" in _status(report, "scn.fails", "ref")["message"]
+    assert _status(report, "scn.passes", "mblt-sim")["status"] == "unsupported"
+    skipped = _status(report, "scn.everywhere[qwen3]", "rbln-sim")
+    assert skipped["status"] == "skipped"
+    assert skipped["message"] == "rbln-sim unavailable: fake probe says no for rbln-sim"
+    assert _status(report, "scn.passes", "ref")["figures"] == {
+        "speed": {"value": 12.5, "unit": "tok/s"}}
+    assert report["summary"] == {"pass": 3, "fail": 1, "skipped": 8, "unsupported": 8}
+    assert not [r for r in report["results"] if r["scenario"].endswith("not_a_scenario")]
+
+
+def test_markdown_puts_sim_and_hw_columns_side_by_side(pytester, fake_availability):
+    _report(pytester, "--target", "mblt-hw", "--target", "ref", "--target", "mblt-sim")
+    md = (pytester.path / "out" / "report.md").read_text()
+    assert "| scenario | ref | mblt-sim | mblt-hw |" in md
+    assert "| scn.passes | pass | n/a | n/a |" in md
+    assert "| scn.fails | FAIL | n/a | n/a |" in md
+    assert "fake probe says no for mblt-hw" in md
+    assert "speed=12.5 tok/s" in md
+
+
+def test_env_var_selects_the_default_target(pytester, fake_availability, monkeypatch):
+    monkeypatch.setenv("NPU_HARNESS_TARGET", "neuron-sim")
+    _, report = _report(pytester)
+    assert [t["name"] for t in report["targets"]] == ["neuron-sim"]
+
+
+def test_unknown_target_is_a_usage_error_naming_it(pytester):
+    pytester.makepyfile(test_scn=SCENARIOS)
+    result = pytester.runpytest("--target", "mblt-simm")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*unknown target 'mblt-simm'*sim*mblt-sim*"])
+
+
+def test_report_survives_xdist(pytester):
+    # Subprocess: xdist workers are separate processes, so availability is probed for real;
+    # the 'ref' column of these scenarios needs nothing but the plugin.
+    pytester.makepyfile(test_scn='''
+import pytest
+@pytest.mark.parametrize("n", range(6))
+def test_figure(target, record, n):
+    record.figure("n_squared", n * n)
+''')
+    result = pytester.runpytest_subprocess("-n", "2", "--target", "neuron-hw", "--report", "out")
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    assert len(report["results"]) == 6
+    assert all(r["status"] == "skipped" and "neuron-hw unavailable" in r["message"]
+               for r in report["results"]), report["results"]
+    result.assert_outcomes(skipped=6)
+
+
+def test_figures_reach_the_report_through_xdist(pytester, monkeypatch):
+    pytester.makeconftest('''
+from npu_conformance import targets as tg
+tg.availability = lambda name: tg.Availability(True, "forced by conftest")
+''')
+    pytester.makepyfile(test_scn='''
+import pytest
+@pytest.mark.parametrize("n", range(4))
+def test_figure(target, record, n):
+    record.figure("n_squared", n * n)
+''')
+    pytester.runpytest_subprocess("-n", "2", "--target", "ref", "--report", "out")
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    got = {r["scenario"]: r["figures"]["n_squared"]["value"] for r in report["results"]}
+    assert got == {f"scn.figure[{n}]": float(n * n) for n in range(4)}

@@ -1,0 +1,60 @@
+"""The target registry and its probes."""
+
+from __future__ import annotations
+
+import pytest
+
+from npu_conformance import targets as tg
+from vllm_npu.targets import TARGET_NAMES, UnknownTargetError
+
+
+def test_registry_holds_every_contract_target_in_column_order():
+    assert list(tg.TARGETS) == ["ref", *TARGET_NAMES]
+    assert {t.kind for t in tg.TARGETS.values()} == {"reference", "sim", "hw"}
+
+
+def test_expand_sim_and_dedupe():
+    assert tg.expand(["mblt-hw", "sim", "ref"]) == [
+        "ref", "mblt-sim", "mblt-hw", "rbln-sim", "neuron-sim", "ime2-qemu"]
+
+
+def test_expand_rejects_unknown_names():
+    with pytest.raises(UnknownTargetError, match="'rbln'; expected 'sim' or one of"):
+        tg.expand(["rbln"])
+
+
+@pytest.mark.parametrize("name", list(tg.TARGETS))
+def test_every_probe_answers_with_a_one_line_reason(name):
+    avail = tg.availability(name)
+    assert isinstance(avail.available, bool)
+    assert avail.reason and "\n" not in avail.reason
+
+
+def test_unbuilt_simulators_name_their_issue():
+    assert tg.availability("mblt-sim") == tg.Availability(
+        False, "npusim.mxq.Accelerator is not built yet: issue 4")
+    assert "issue 3" in tg.availability("ime2-qemu").reason
+
+
+def test_hardware_probes_name_the_failed_import_or_device():
+    assert "import qbruntime failed" in tg.availability("mblt-hw").reason
+    assert "import rebel failed" in tg.availability("rbln-hw").reason
+    assert "/dev/neuron" in tg.availability("neuron-hw").reason
+
+
+def test_ime2_hw_probe_reads_cpuinfo(tmp_path, monkeypatch):
+    monkeypatch.setattr(tg.platform, "machine", lambda: "riscv64")
+    info = tmp_path / "cpuinfo"
+    info.write_text("isa : rv64imafdcv\nuarch : thead,c910\n")
+    assert tg._probe_ime2_hw(str(info)).reason.endswith("names no SpacemiT K3 core")
+    assert "cannot read" in tg._probe_ime2_hw(str(tmp_path / "missing")).reason
+
+
+def test_a_crashing_probe_becomes_a_reason(monkeypatch):
+    def boom():
+        raise RuntimeError("driver exploded")
+
+    monkeypatch.setitem(tg.TARGETS, "neuron-hw", tg.Target("neuron-hw", "neuron", "hw", "x", boom))
+    monkeypatch.setattr(tg, "_cache", {})
+    assert tg.availability("neuron-hw") == tg.Availability(
+        False, "probe crashed: RuntimeError: driver exploded")

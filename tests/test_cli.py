@@ -1,0 +1,73 @@
+"""The ``npu-harness`` command, run as a user runs it (a subprocess of the installed script)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from npu_conformance.targets import TARGETS
+
+
+def _cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    exe = shutil.which("npu-harness") or str(Path(sys.executable).with_name("npu-harness"))
+    return subprocess.run([exe, *args], capture_output=True, text=True, cwd=cwd, timeout=timeout)
+
+
+def test_doctor_lists_every_target_with_a_reason():
+    proc = _cli("doctor")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.strip().splitlines()
+    assert [line.split()[0] for line in lines] == list(TARGETS)
+    for line in lines:
+        name, state, reason = line.split(maxsplit=2)
+        assert state in ("available", "unavailable") and reason
+
+
+def test_make_model_is_deterministic_for_a_seed(tmp_path):
+    pytest.importorskip("tokenizers")
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for out, seed in ((a, "3"), (b, "3"), (c, "4")):
+        proc = _cli("make-model", "--arch", "qwen2", "--out", str(out), "--seed", seed)
+        assert proc.returncode == 0, proc.stderr
+    names = sorted(p.name for p in a.iterdir())
+    assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+            "tokenizer_config.json"} <= set(names)
+    assert all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    assert (a / "model.safetensors").read_bytes() != (c / "model.safetensors").read_bytes()
+    assert json.loads((a / "config.json").read_text())["model_type"] == "qwen2"
+
+
+def test_make_model_rejects_an_unknown_arch(tmp_path):
+    proc = _cli("make-model", "--arch", "gpt2", "--out", str(tmp_path))
+    assert proc.returncode == 2
+    assert "invalid choice: 'gpt2'" in proc.stderr
+
+
+def test_conformance_runs_and_writes_both_reports(tmp_path):
+    proc = _cli("conformance", "--target", "sim", "--report", str(tmp_path / "rep"),
+                "--", "-k", "chunked_prefill or kv_capacity", cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads((tmp_path / "rep" / "report.json").read_text())
+    ref = [r for r in report["results"] if r["target"] == "ref"]
+    assert len(ref) == 6 and all(r["status"] == "pass" for r in ref)
+    assert "| scenario | ref | mblt-sim |" in (tmp_path / "rep" / "report.md").read_text()
+    assert "llm_reference.chunked_prefill[llama]" in proc.stdout
+    assert "mblt-sim    unavailable npusim.mxq.Accelerator is not built yet: issue 4" in proc.stdout
+
+
+def test_conformance_rejects_an_unknown_target(tmp_path):
+    proc = _cli("conformance", "--target", "mblt", "--report", str(tmp_path))
+    assert proc.returncode == 2
+    assert "unknown target 'mblt'" in proc.stderr
+
+
+def test_doctor_require_fails_on_an_unavailable_target_with_its_reason():
+    proc = _cli("doctor", "--require", "rbln-hw")
+    assert proc.returncode == 1
+    assert "required target rbln-hw is unavailable: import rebel failed" in proc.stderr
+    assert _cli("doctor", "--require", "rbln").returncode == 2

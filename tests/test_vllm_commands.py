@@ -1,0 +1,129 @@
+"""The set-up makes the commands users type work: ``vllm --version``, ``vllm serve`` (vLLM's
+native CPU backend serving a tiny model built here) and ``vllm bench serve`` against it.
+
+One server for the module (engine start-up dominates: ~35 s). Greedy completions are checked
+token for token against the golden numpy decoder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+pytestmark = pytest.mark.slow
+
+START_TIMEOUT_S = 600
+
+
+def _vllm() -> str:
+    return shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "NPU_HARNESS_TARGET"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               TOKENIZERS_PARALLELISM="false")
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as resp:
+        return json.loads(resp.read())
+
+
+def test_vllm_version_command():
+    proc = subprocess.run([_vllm(), "--version"], capture_output=True, text=True,
+                          env=_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1].startswith("0.32.0")
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    model = tiny_model_dir("llama")
+    port = _free_port()
+    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
+    cmd = [_vllm(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--max-model-len", "512", "--max-num-seqs", "8", "--dtype", "float32",
+           "--gpu-memory-utilization", "0.1", "--seed", "0"]
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env())
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + START_TIMEOUT_S
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
+            try:
+                with urllib.request.urlopen(base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vllm serve not healthy after {START_TIMEOUT_S} s:\n"
+                            f"{log.read_text()[-4000:]}")
+            time.sleep(1)
+        yield {"base": base, "model": model, "log": log}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_vllm_serve_greedy_completion_equals_the_golden_decoder(server, golden_decoder):
+    dec = golden_decoder("llama")
+    prompt = [5, 17, 99, 250, 7, 64, 300, 12]
+    expected = dec.generate_greedy(prompt, 12)
+    out = _post(server["base"] + "/v1/completions", {
+        "model": str(server["model"]), "prompt": prompt, "max_tokens": 12,
+        "temperature": 0.0, "ignore_eos": True, "return_tokens_as_token_ids": True,
+        "logprobs": 0,
+    })
+    tokens = out["choices"][0]["logprobs"]["tokens"]
+    got = [int(t.removeprefix("token_id:")) for t in tokens]
+    assert got == expected
+
+
+def test_vllm_serve_rejects_an_over_length_request_with_400(server):
+    req = urllib.request.Request(
+        server["base"] + "/v1/completions",
+        data=json.dumps({"model": str(server["model"]), "prompt": [1] * 600,
+                         "max_tokens": 4}).encode(),
+        headers={"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as info:
+        urllib.request.urlopen(req, timeout=60)
+    assert info.value.code == 400
+    assert "512" in info.value.read().decode()
+
+
+def test_vllm_bench_serve_against_the_server(server):
+    cmd = [_vllm(), "bench", "serve", "--base-url", server["base"], "--model",
+           str(server["model"]), "--tokenizer", str(server["model"]), "--dataset-name",
+           "random", "--random-input-len", "32", "--random-output-len", "8",
+           "--num-prompts", "8", "--seed", "0"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    match = re.search(r"Successful requests:\s+(\d+)", proc.stdout)
+    assert match and int(match.group(1)) == 8, proc.stdout[-3000:]

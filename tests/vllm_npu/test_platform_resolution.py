@@ -1,0 +1,40 @@
+"""What vLLM itself resolves as its platform under each NPU_HARNESS_TARGET (real vLLM, in a
+subprocess because vLLM resolves the platform once per process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+PROBE = "from vllm.platforms import current_platform; print('DEVICE', current_platform.device_type)"
+
+
+def _resolve(value: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "NPU_HARNESS_TARGET"}
+    if value is not None:
+        env["NPU_HARNESS_TARGET"] = value
+    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_no_target_keeps_vllms_cpu_platform():
+    proc = _resolve(None)
+    assert proc.returncode == 0, proc.stderr
+    assert "DEVICE cpu" in proc.stdout
+
+
+def test_an_unbuilt_plugin_fails_loudly_naming_its_issue():
+    proc = _resolve("mblt-sim")
+    assert proc.returncode != 0
+    assert "vllm_npu.mblt) is not built yet: issue 4" in proc.stderr
+
+
+def test_an_invalid_target_fails_loudly_instead_of_serving_on_cpu():
+    proc = _resolve("mblt_sim")
+    assert proc.returncode != 0
+    assert "NPU_HARNESS_TARGET='mblt_sim' is not a target" in proc.stderr
