@@ -1,6 +1,6 @@
 """The ``npu-harness`` command: ``conformance``, ``doctor``, ``make-model``.
 
-Device issues add their own subcommands (``mxq compile``...) through :data:`SUBCOMMANDS`.
+Device issues add their own subcommands (``mxq compile``...) in :func:`build_parser`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-DEFAULT_REPORT_DIR = "conformance-report"
+from npu_conformance.report import DEFAULT_REPORT_DIR
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:

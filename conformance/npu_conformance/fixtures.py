@@ -51,3 +51,29 @@ def golden_decoder(tiny_model_dir: Callable[..., Path]) -> Callable[..., Any]:
         return loaded[path]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def hf_model() -> Callable[..., Any]:
+    """Factory ``hf_model(model_dir, fresh=False)``: transformers' ``AutoModelForCausalLM`` in
+    float32 with eager attention, cached per directory unless ``fresh``.
+
+    transformers' dynamic RoPE keeps state between calls (the longest sequence seen), so
+    tests of it ask for a fresh model. Skips when torch or transformers is missing.
+    """
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    cache: dict[str, Any] = {}
+
+    def get(model_dir: Path, fresh: bool = False) -> Any:
+        key = str(model_dir)
+        if fresh or key not in cache:
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.float32, attn_implementation="eager"
+            ).eval()
+            if fresh:
+                return model
+            cache[key] = model
+        return cache[key]
+
+    return get

@@ -17,7 +17,7 @@ import pytest
 from npu_conformance import report as report_mod
 from npu_conformance import results as res
 from npu_conformance import targets as tg
-from npu_conformance.fixtures import golden_decoder, tiny_model_dir  # noqa: F401 (fixtures)
+from npu_conformance.fixtures import golden_decoder, hf_model, tiny_model_dir  # noqa: F401
 
 _TARGETS_KEY = pytest.StashKey[list[str]]()
 
@@ -39,7 +39,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         dest="npu_report",
         metavar="DIR",
         default=None,
-        help="write report.json and report.md of the scenario results into DIR",
+        help="directory for report.json and report.md, written whenever a scenario ran "
+        f"(default: <rootdir>/{report_mod.DEFAULT_REPORT_DIR})",
     )
 
 
@@ -113,6 +114,14 @@ def record(request: pytest.FixtureRequest) -> res.Recorder:
     return res.Recorder(request.node.user_properties)
 
 
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+    """Count scenario instances that do not apply to a target as ``unsupported``, not as
+    skips, so the skip summary lists only unavailable targets and self-skips."""
+    if report.skipped and (res.KEY_STATUS, res.UNSUPPORTED) in getattr(report, "user_properties", ()):
+        return "unsupported", "u", "UNSUPPORTED"
+    return None
+
+
 def _result_from_report(report: pytest.TestReport) -> res.ScenarioResult | None:
     props = dict((k, v) for k, v in report.user_properties if k != res.KEY_FIGURE)
     if res.KEY_SCENARIO not in props:
@@ -159,12 +168,22 @@ class _Collector:
             if result is not None:
                 self.results[(result.scenario, result.target)] = result
 
-    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+    def report_dir(self) -> Path:
         out = self.config.getoption("npu_report")
-        if out and not hasattr(self.config, "workerinput"):
+        return Path(out) if out else self.config.rootpath / report_mod.DEFAULT_REPORT_DIR
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        # Written whenever a scenario ran (--report DIR, else <rootdir>/conformance-report).
+        if self.results and not hasattr(self.config, "workerinput"):
             report_mod.write(
-                Path(out),
+                self.report_dir(),
                 results=list(self.results.values()),
                 targets=selected_targets(self.config),
                 started=self.started,
             )
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.results:
+            out = self.report_dir()
+            terminalreporter.write_line(
+                f"conformance report: {out / 'report.json'}, {out / 'report.md'}")

@@ -15,6 +15,8 @@ from npu_conformance import results as res
 from npu_conformance import targets as tg
 
 SCHEMA_VERSION = 1
+#: Where reports go when no directory is given (relative to the pytest rootdir or the cwd).
+DEFAULT_REPORT_DIR = "conformance-report"
 _CELL = {res.PASS: "pass", res.FAIL: "FAIL", res.SKIPPED: "skip", res.UNSUPPORTED: "n/a"}
 
 

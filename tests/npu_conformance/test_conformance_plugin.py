@@ -57,7 +57,9 @@ def test_sim_expands_to_reference_and_every_simulator(pytester, fake_availabilit
     assert [t["name"] for t in report["targets"]] == [
         "ref", "mblt-sim", "rbln-sim", "neuron-sim", "ime2-qemu"]
     # 2 ref-only scenarios + 2 parametrized everywhere, over 5 targets; the plain test once.
-    result.assert_outcomes(passed=1 + 2 + 1, failed=1, skipped=4 + 4 + 8)
+    # Instances that do not apply to a target count as "unsupported", not as skips.
+    result.assert_outcomes(passed=1 + 2 + 1, failed=1, skipped=4 * 2)
+    result.stdout.fnmatch_lines(["*1 failed, 4 passed, 8 skipped*, 8 unsupported*"])
     assert _status(report, "scn.passes", "ref")["status"] == "pass"
     assert _status(report, "scn.fails", "ref")["status"] == "fail"
     assert "wrong answer on purpose" in _status(report, "scn.fails", "ref")["message"]

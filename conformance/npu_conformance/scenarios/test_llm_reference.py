@@ -27,36 +27,25 @@ arches = pytest.mark.parametrize("arch", ARCHES)
 
 
 def _prompt(vocab_size: int, n: int = PROMPT_LEN, seed: int = 1234) -> np.ndarray:
-    # Ids below vocab_size - 8 keep clear of the special tokens at the top of the vocabulary.
-    return np.random.default_rng(seed).integers(0, vocab_size - 8, size=n)
+    """``n`` random ordinary token ids (the tiny tokenizers put their 4 special tokens at 0-3)."""
+    return np.random.default_rng(seed).integers(4, vocab_size, size=n)
 
 
-_hf_models: dict[str, object] = {}
+def _hf_logits(model, ids: np.ndarray) -> np.ndarray:
+    import torch
 
-
-def _hf_model(path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    key = str(path)
-    if key not in _hf_models:
-        torch.manual_seed(0)
-        _hf_models[key] = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation="eager"
-        ).eval()
-    return _hf_models[key]
+    with torch.no_grad():
+        return model(torch.tensor(ids[None])).logits[0].float().numpy()
 
 
 @scenario
 @arches
-def test_logits_vs_transformers(target, record, arch, tiny_model_dir, golden_decoder):
-    import torch
-
-    model = _hf_model(tiny_model_dir(arch))
+def test_logits_vs_transformers(target, record, arch, tiny_model_dir, hf_model, golden_decoder):
     dec = golden_decoder(arch)
     ids = _prompt(dec.config.vocab_size)
     ours = dec.prefill(ids, dec.new_cache(PROMPT_LEN))
-    with torch.no_grad():
-        theirs = model(torch.tensor(ids[None])).logits[0].numpy()
+    theirs = _hf_logits(hf_model(tiny_model_dir(arch)), ids)
+    assert ours.shape == theirs.shape == (PROMPT_LEN, dec.config.vocab_size)
     diff = float(np.max(np.abs(ours - theirs)))
     record.figure("max_abs_logit_diff", diff)
     assert diff <= HF_TOLERANCE, f"max |Δlogit| {diff:.3g} > {HF_TOLERANCE}"
@@ -64,24 +53,27 @@ def test_logits_vs_transformers(target, record, arch, tiny_model_dir, golden_dec
 
 @scenario
 @arches
-def test_greedy_vs_transformers(target, record, arch, tiny_model_dir, golden_decoder):
+def test_greedy_vs_transformers(target, record, arch, tiny_model_dir, hf_model, golden_decoder):
+    """32 greedy tokens equal to ``generate(do_sample=False)``, both sides decoding exactly 32
+    (no eos stop); the logits along the generated path also stay within 1e-4."""
     import torch
 
-    model = _hf_model(tiny_model_dir(arch))
+    model = hf_model(tiny_model_dir(arch))
     dec = golden_decoder(arch)
     ids = _prompt(dec.config.vocab_size, n=16)
     ours = dec.generate_greedy(ids, NEW_TOKENS)
     config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = None  # both sides decode exactly NEW_TOKENS tokens
+    config.eos_token_id = None
     with torch.no_grad():
-        out = model.generate(
-            torch.tensor(ids[None]), generation_config=config, do_sample=False,
-            max_new_tokens=NEW_TOKENS, pad_token_id=0,
-        )
+        out = model.generate(torch.tensor(ids[None]), generation_config=config,
+                             do_sample=False, max_new_tokens=NEW_TOKENS, pad_token_id=0)
     theirs = out[0, len(ids):].tolist()
-    same = sum(1 for a, b in zip(ours, theirs) if a == b)
-    record.figure("tokens_equal", same, f"of {NEW_TOKENS}")
+    record.figure("tokens_equal", sum(a == b for a, b in zip(ours, theirs)), f"of {NEW_TOKENS}")
     assert ours == theirs
+    path = np.concatenate([ids, ours[:-1]])
+    diff = float(np.max(np.abs(dec.prefill(path, dec.new_cache(len(path))) - _hf_logits(model, path))))
+    record.figure("max_abs_logit_diff_on_path", diff)
+    assert diff <= HF_TOLERANCE
 
 
 @scenario
@@ -141,6 +133,7 @@ def test_decode_speed(target, record, arch, golden_decoder):
     """Figures only: prefill and decode speed of the numpy reference on this machine."""
     dec = golden_decoder(arch)
     ids = _prompt(dec.config.vocab_size)
+    dec.prefill(ids, dec.new_cache(PROMPT_LEN))  # warm-up: first-call allocations
     t0 = time.perf_counter()
     cache = dec.new_cache(PROMPT_LEN + NEW_TOKENS)
     logits = dec.prefill(ids, cache)

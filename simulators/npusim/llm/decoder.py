@@ -7,8 +7,15 @@ Computation per layer, as in transformers' eager implementation::
 
 then a final RMSNorm and the LM head. Attention is grouped-query and causal over the
 sequence's KV cache: query ``t`` of a chunk appended at cache length ``L`` sees keys
-``0 .. L + t``. Matrix products run in the decoder's dtype (float32 by default); RMSNorm and
-softmax run in at least float32; logits are returned as float32.
+``0 .. L + t``.
+
+Numerics: parameters, activations between operations and the KV cache are rounded to the
+decoder's ``dtype`` (float32 by default), but every operation (matrix products, RMSNorm,
+RoPE, softmax, SiLU) is evaluated in float64. This keeps results independent of how tokens
+are chunked or batched (BLAS picks different float32 kernels for different row counts, which
+alone moves float32 logits by ~1e-5) while staying within ~1e-5 of transformers' float32
+forward. The float64 copies of the weights double the memory of a float32 model (fine for
+the tiny models this reference is meant for). Logits are returned as float32.
 """
 
 from __future__ import annotations
@@ -67,17 +74,20 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, compute: np.dtype) -> np.ndarray:
-    """RMSNorm over the last axis, in ``compute`` precision, then scaled by ``weight`` (as HF)."""
-    xc = x.astype(compute, copy=False)
+_ACC = np.float64  # evaluation precision of every operation
+
+
+def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, dtype: np.dtype) -> np.ndarray:
+    """RMSNorm over the last axis (float64), normalised value rounded to ``dtype``, scaled by ``weight``, rounded."""
+    xc = x.astype(_ACC)
     var = np.mean(xc * xc, axis=-1, keepdims=True)
-    normed = (xc / np.sqrt(var + compute.type(eps))).astype(x.dtype, copy=False)
-    return weight * normed
+    normed = (xc / np.sqrt(var + eps)).astype(dtype).astype(_ACC)
+    return (weight * normed).astype(dtype)
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
     with np.errstate(over="ignore"):
-        return x / (x.dtype.type(1) + np.exp(-x))
+        return x / (1.0 + np.exp(-x))
 
 
 class Decoder:
@@ -89,7 +99,7 @@ class Decoder:
     """
 
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32, *, source: str = "weights") -> None:
-        """Check ``weights`` against ``config`` and keep them (cast to ``dtype``).
+        """Check ``weights`` against ``config`` and keep them (rounded to ``dtype``, held as float64 for evaluation).
 
         Args:
             config: the architecture.
@@ -107,7 +117,6 @@ class Decoder:
             raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
         self.config = config
         self.dtype = dt
-        self._compute = np.promote_types(dt, np.float32)
         w: dict[str, np.ndarray] = {}
         for name, shape in expected_tensor_shapes(config).items():
             if name not in weights:
@@ -117,9 +126,12 @@ class Decoder:
                 raise CheckpointError(
                     f"{source}: tensor {name!r} has shape {arr.shape} but the config implies {shape}"
                 )
-            w[name] = np.ascontiguousarray(arr, dtype=dt)
-        self._embed = w["model.embed_tokens.weight"]
-        self._lm_head = self._embed if config.tie_word_embeddings else w["lm_head.weight"]
+            if arr.dtype.kind not in "fiu":
+                raise CheckpointError(f"{source}: tensor {name!r} has non-numeric dtype {arr.dtype}")
+            # round to the decoder dtype, keep a float64 copy for evaluation
+            w[name] = np.ascontiguousarray(arr, dtype=dt).astype(_ACC)
+        self._embed = np.ascontiguousarray(weights["model.embed_tokens.weight"], dtype=dt)
+        self._lm_head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self._final_norm = w["model.norm.weight"]
         self._layers: list[dict[str, np.ndarray | None]] = []
         for i in range(config.num_hidden_layers):
@@ -314,10 +326,11 @@ class Decoder:
             )
 
     def _linear(self, x: np.ndarray, w: np.ndarray, b: np.ndarray | None) -> np.ndarray:
-        y = x @ w.T
+        """``x @ w.T + b`` evaluated in float64, rounded to the decoder dtype."""
+        y = x.astype(_ACC) @ w.T
         if b is not None:
             y += b
-        return y
+        return y.astype(self.dtype)
 
     def _forward(self, xs: list[np.ndarray], caches: list[KVCache]) -> list[np.ndarray]:
         if not xs:
@@ -342,46 +355,50 @@ class Decoder:
             cs, sn = c.rope.cos_sin(pos, seq_len=start + n, dtype=rope_dt)
             cos_parts.append(cs)
             sin_parts.append(sn)
-        cos = np.concatenate(cos_parts).astype(self.dtype, copy=False)
-        sin = np.concatenate(sin_parts).astype(self.dtype, copy=False)
+        # as transformers: tables computed in float32 (float64 for a float64 model), cast to the model dtype
+        cos = np.concatenate(cos_parts).astype(self.dtype).astype(_ACC)
+        sin = np.concatenate(sin_parts).astype(self.dtype).astype(_ACC)
 
         n_tok = int(bounds[-1])
+        dt = self.dtype
         hd, nh, nkv, groups = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups
-        scale = self._compute.type(hd**-0.5)
+        scale = hd**-0.5
         eps = c.rms_norm_eps
-        h = np.concatenate(xs).astype(self.dtype, copy=False)
+        h = np.concatenate(xs).astype(dt, copy=False)
         for li, L in enumerate(self._layers):
-            x = _rms_norm(h, L["ln1"], eps, self._compute)
+            x = _rms_norm(h, L["ln1"], eps, dt)
             q = self._linear(x, L["wq"], L["bq"]).reshape(n_tok, nh, hd)
             k = self._linear(x, L["wk"], L["bk"]).reshape(n_tok, nkv, hd)
             v = self._linear(x, L["wv"], L["bv"]).reshape(n_tok, nkv, hd)
             if c.qk_norm:
-                q = _rms_norm(q, L["qn"], eps, self._compute)
-                k = _rms_norm(k, L["kn"], eps, self._compute)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
-            attn = np.empty((n_tok, nh, hd), dtype=self.dtype)
+                q = _rms_norm(q, L["qn"], eps, dt)
+                k = _rms_norm(k, L["kn"], eps, dt)
+            q = apply_rope(q.astype(_ACC), cos, sin).astype(dt)
+            k = apply_rope(k.astype(_ACC), cos, sin).astype(dt)
+            attn = np.empty((n_tok, nh, hd), dtype=dt)
             for s, cache, start, n in zip(bounds[:-1], caches, starts, lens):
                 cache.write(li, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
                 total = start + n
-                keys = cache.keys[li][:, :total]  # [nkv, S, hd]
-                vals = cache.values[li][:, :total]
-                qs = q[s : s + n].reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
-                scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)).astype(self._compute, copy=False) * scale
+                keys = cache.keys[li][:, :total].astype(_ACC)  # [nkv, S, hd]
+                vals = cache.values[li][:, :total].astype(_ACC)
+                qs = q[s : s + n].astype(_ACC).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
+                scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
                 # causal: query t (position start+t) sees keys 0 .. start+t
                 mask = np.arange(total)[None, :] > (start + np.arange(n))[:, None]
                 scores = np.where(mask, -np.inf, scores)
-                scores = scores - scores.max(axis=-1, keepdims=True)
-                probs = np.exp(scores)
+                probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
                 probs /= probs.sum(axis=-1, keepdims=True)
-                out = probs.astype(self.dtype, copy=False) @ vals[:, None]  # [nkv, G, n, hd]
+                probs = probs.astype(dt).astype(_ACC)  # HF rounds the probabilities to the model dtype
+                out = probs @ vals[:, None]  # [nkv, G, n, hd]
                 attn[s : s + n] = out.transpose(2, 0, 1, 3).reshape(n, nh, hd)
-            h = h + self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])
-            x = _rms_norm(h, L["ln2"], eps, self._compute)
-            mlp = _silu(self._linear(x, L["wg"], L["bg"])) * self._linear(x, L["wu"], L["bu"])
-            h = h + self._linear(mlp, L["wd"], L["bd"])
-        h = _rms_norm(h, self._final_norm, eps, self._compute)
-        logits = (h @ self._lm_head.T).astype(np.float32, copy=False)
+            h = (h.astype(_ACC) + self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])).astype(dt)
+            x = _rms_norm(h, L["ln2"], eps, dt)
+            g = self._linear(x, L["wg"], L["bg"]).astype(_ACC)
+            u = self._linear(x, L["wu"], L["bu"]).astype(_ACC)
+            mlp = (_silu(g).astype(dt).astype(_ACC) * u).astype(dt)
+            h = (h.astype(_ACC) + self._linear(mlp, L["wd"], L["bd"])).astype(dt)
+        h = _rms_norm(h, self._final_norm, eps, dt)
+        logits = (h.astype(_ACC) @ self._lm_head.T).astype(dt).astype(np.float32)
         for cache, n in zip(caches, lens):
             cache.advance(n)
         return [logits[s : s + n] for s, n in zip(bounds[:-1], lens)]

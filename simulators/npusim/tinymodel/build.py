@@ -7,8 +7,10 @@ a ChatML chat template, ``special_tokens_map.json``). Every file is a pure funct
 ``(arch, seed, config_overrides)``: building twice gives byte-identical files.
 
 Weight scales (so activations stay O(1) and logits have a real spread, without near-ties):
-projections ``N(0, 1/fan_in)``; embeddings ``N(0, 1)`` (untied) or ``N(0, 0.25)`` (tied, where
-they are also the LM head); untied LM head ``N(0, 9/hidden)``; norm weights
+projections ``N(0, 1/fan_in)``, except ``o_proj``/``down_proj`` ``N(0, 4/fan_in)`` (so the
+layers, not the input embedding, dominate the residual stream); embeddings ``N(0, 1)``
+(untied) or ``N(0, 0.04)`` (tied, where they are also the LM head: a larger scale makes greedy
+decoding repeat the last token); untied LM head ``N(0, 9/hidden)``; norm weights
 ``1 + N(0, 0.05^2)``; biases ``N(0, 0.1^2)``.
 """
 
@@ -17,7 +19,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -183,7 +184,7 @@ def make_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for name, shape in expected_tensor_shapes(config).items():
         if name == "model.embed_tokens.weight":
-            std = 0.5 if config.tie_word_embeddings else 1.0
+            std = 0.2 if config.tie_word_embeddings else 1.0
             w = rng.normal(0.0, std, shape)
         elif name == "lm_head.weight":
             w = rng.normal(0.0, 3.0 / np.sqrt(hidden), shape)
@@ -191,8 +192,9 @@ def make_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             w = 1.0 + rng.normal(0.0, 0.05, shape)
         elif name.endswith(".bias"):
             w = rng.normal(0.0, 0.1, shape)
-        else:  # projection [out, in]
-            w = rng.normal(0.0, 1.0 / np.sqrt(shape[1]), shape)
+        else:  # projection [out, in]; the two that write into the residual stream are doubled
+            gain = 2.0 if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
+            w = rng.normal(0.0, gain / np.sqrt(shape[1]), shape)
         out[name] = w.astype(np.float32)
     return out
 
@@ -228,7 +230,8 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
     out = Path(out_dir)
     tok = train_tokenizer()
     n_tok = tok.get_vocab_size()
-    cfg = make_config(arch, vocab_size=n_tok, **config_overrides)
+    overrides = dict(config_overrides)
+    cfg = make_config(arch, vocab_size=overrides.pop("vocab_size", n_tok), **overrides)
     if int(cfg["vocab_size"]) < n_tok:
         raise ValueError(f"vocab_size {cfg['vocab_size']} is smaller than the tokenizer's {n_tok} tokens")
     model_cfg = ModelConfig.from_dict(cfg)
@@ -269,6 +272,3 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
     )
     return out
 
-
-def _describe(path: Path) -> Mapping[str, int]:  # pragma: no cover - debugging aid
-    return {p.name: p.stat().st_size for p in sorted(path.iterdir())}
