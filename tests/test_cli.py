@@ -48,6 +48,22 @@ def test_make_model_rejects_an_unknown_arch(tmp_path):
     assert "invalid choice: 'gpt2'" in proc.stderr
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--seed", "-1"], "seed -1 must be an integer in [0, 2**32)"),
+     (["--seed", "x"], "invalid int value: 'x'"),
+     (["--out-is-a-file"], "exists and is not a directory")],
+)
+def test_make_model_bad_input_is_a_clear_error(tmp_path, args, message):
+    out = tmp_path / "out"
+    if args == ["--out-is-a-file"]:
+        out.write_text("not a directory")
+        args = []
+    proc = _cli("make-model", "--arch", "llama", "--out", str(out), *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_conformance_runs_and_writes_both_reports(tmp_path):
     proc = _cli("conformance", "--target", "sim", "--report", str(tmp_path / "rep"),
                 "--", "-k", "chunked_prefill or kv_capacity", cwd=tmp_path)

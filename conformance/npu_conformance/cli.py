@@ -69,6 +69,9 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     except ImportError as exc:
         print(f"npu-harness make-model: {exc} (install the 'models' extra)", file=sys.stderr)
         return 2
+    except (ValueError, OSError) as exc:
+        print(f"npu-harness make-model: {exc}", file=sys.stderr)
+        return 2
     total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
     print(f"{args.arch} model (seed {args.seed}) written to {path} ({total / 1e6:.2f} MB)")
     return 0

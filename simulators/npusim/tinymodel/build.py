@@ -222,12 +222,17 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
         ``Path(out_dir)``.
 
     Raises:
-        ValueError: unknown ``arch``; a ``vocab_size`` override smaller than the tokenizer.
+        ValueError: unknown ``arch``; ``seed`` not an integer in [0, 2**32); ``out_dir`` is
+            an existing file; a ``vocab_size`` override smaller than the tokenizer.
         UnsupportedModelError: the overrides make a config the golden decoder rejects.
         ImportError: ``tokenizers`` is not installed.
     """
     _check_arch(arch)
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2**32:
+        raise ValueError(f"seed {seed!r} must be an integer in [0, 2**32)")
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {str(out)!r} exists and is not a directory")
     tok = train_tokenizer()
     n_tok = tok.get_vocab_size()
     overrides = dict(config_overrides)
