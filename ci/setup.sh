@@ -47,7 +47,15 @@ fi
   echo "[setup] error: Python 3.11 is required (found $("$PY" --version 2>&1)); set PYTHON=" >&2; exit 2; }
 [[ -x "$VENV/bin/python" ]] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-quiet() { "$@" 2>&1 | grep -vE "is ignored: it is neither a file nor a directory|^\s*$" || true; return "${PIPESTATUS[0]}"; }
+# Run a command, dropping pip's noise about empty local index directories; keep its status.
+quiet() {
+  local rc
+  set +e
+  "$@" 2>&1 | grep -vE "is ignored: it is neither a file nor a directory|^\s*$"
+  rc=${PIPESTATUS[0]}
+  set -e
+  return "$rc"
+}
 say "installing torch 2.13.0+cpu"
 quiet "${PIP[@]}" install "torch==2.13.0+cpu"
 say "installing the pinned lock ($(grep -c . requirements/lock.txt) packages)"
