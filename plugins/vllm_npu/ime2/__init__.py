@@ -1,14 +1,36 @@
-"""SpacemiT K3 IME2 int4 linear layers for vLLM's CPU backend (issues 3 and 5; not built yet)."""
+"""SpacemiT K3 IME2 int4 linear layers for vLLM's CPU backend (issues 3 and 5).
+
+* ``ime2_hp_gemm_cpu(A, qweight, scales)``, ``register_torch_op()`` and the rest of
+  :mod:`vllm_npu.ime2.kernel`: the host build of ``kernels/ime2`` through its C ABI (issue 3).
+  Loaded lazily, so importing this package stays cheap (no ctypes load, no torch).
+* ``register``: the ``ime2_q4`` quantization method, not built yet (issue 5).
+"""
 
 from __future__ import annotations
 
+import importlib
+from typing import Any
+
+_FROM_KERNEL = (
+    "ime2_hp_gemm_cpu",
+    "register_torch_op",
+    "pack_b",
+    "quantize_a",
+    "gemm_packed",
+    "Ime2Error",
+    "KernelUnavailableError",
+)
+
 _PENDING = {
-    "ime2_hp_gemm_cpu": "issue 3 (the Q4_0x32 kernel and its host build)",
     "register": "issue 5 (the ime2_q4 quantization method)",
 }
 
+__all__ = list(_FROM_KERNEL) + ["register"]
 
-def __getattr__(name: str):
+
+def __getattr__(name: str) -> Any:
+    if name in _FROM_KERNEL:
+        return getattr(importlib.import_module(f"{__name__}.kernel"), name)
     if name in _PENDING:
         raise NotImplementedError(f"vllm_npu.ime2.{name} is not built yet: {_PENDING[name]}")
     raise AttributeError(f"module 'vllm_npu.ime2' has no attribute {name!r}")

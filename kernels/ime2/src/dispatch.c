@@ -1,0 +1,153 @@
+/*
+ * dispatch.c - argument checks shared by every path, path selection, the whole op, and the
+ * status strings.
+ *
+ * Paths: only the portable C path is built today. The RVV and IME2 paths are hooks: when their
+ * sources exist they define NPU_IME2_HAVE_RVV / NPU_IME2_HAVE_IME2 and the functions
+ * npu_ime2_gemm_rvv / npu_ime2_gemm_ime2 (issue 3, section 2; the IME2 path reads vlenb and
+ * returns NPU_IME2_ERR_WRONG_VLEN unless it is 128). Until then asking for them explicitly
+ * returns NPU_IME2_ERR_BAD_PATH and NPU_IME2_PATH_AUTO picks the portable path.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "internal.h"
+
+#ifdef NPU_IME2_HAVE_RVV
+npu_ime2_status npu_ime2_gemm_rvv(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                  float *c);
+#endif
+#ifdef NPU_IME2_HAVE_IME2
+npu_ime2_status npu_ime2_gemm_ime2(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                   float *c);
+#endif
+
+const char *npu_ime2_status_string(int status)
+{
+    switch (status) {
+    case NPU_IME2_OK:
+        return "ok";
+    case NPU_IME2_ERR_BAD_K:
+        return "K must be a positive multiple of 32 (the Q4_0 block length)";
+    case NPU_IME2_ERR_BAD_SHAPE:
+        return "bad shape (M must be >= 0, N >= 1 for packing, and the sizes must fit in memory)";
+    case NPU_IME2_ERR_NULL_POINTER:
+        return "a required pointer is NULL";
+    case NPU_IME2_ERR_NON_FINITE:
+        return "an input holds NaN or Inf (A and scales must be finite)";
+    case NPU_IME2_ERR_BUFFER_TOO_SMALL:
+        return "an output buffer is smaller than the required size";
+    case NPU_IME2_ERR_WRONG_VLEN:
+        return "the IME2 path needs VLEN 1024 (vlenb == 128)";
+    case NPU_IME2_ERR_BAD_PATH:
+        return "unknown GEMM path, or a path not built into this library";
+    case NPU_IME2_ERR_NO_MEMORY:
+        return "workspace allocation failed";
+    default:
+        return "unknown status code";
+    }
+}
+
+int npu_ime2_abi_version(void) { return NPU_IME2_ABI_VERSION; }
+
+/* Validates the GEMM shapes and buffer sizes; fills the required sizes. */
+static npu_ime2_status check_gemm(int64_t m, int64_t k, int64_t n, size_t c_bytes, size_t *a_need, size_t *b_need)
+{
+    npu_ime2_status st;
+    if (!k_ok(k))
+        return NPU_IME2_ERR_BAD_K;
+    if (m < 0 || m > NPU_IME2_MAX_DIM || n < 0 || n > NPU_IME2_MAX_DIM)
+        return NPU_IME2_ERR_BAD_SHAPE;
+    if ((st = npu_ime2_a_packed_size(m, k, a_need)) != NPU_IME2_OK)
+        return st;
+    *b_need = 0;
+    if (n > 0 && (st = npu_ime2_b_packed_size(n, k, b_need)) != NPU_IME2_OK)
+        return st;
+    size_t c_need;
+    if (!mul3_size(m, n, (int64_t)sizeof(float), &c_need))
+        return NPU_IME2_ERR_BAD_SHAPE;
+    if (c_bytes < c_need)
+        return NPU_IME2_ERR_BUFFER_TOO_SMALL;
+    return NPU_IME2_OK;
+}
+
+static npu_ime2_status run_path(int path, const uint8_t *a, const uint8_t *b, int64_t m, int64_t k, int64_t n,
+                                float *c)
+{
+    switch (path) {
+    case NPU_IME2_PATH_AUTO:
+    case NPU_IME2_PATH_PORTABLE:
+        /* Hook: AUTO picks IME2, then RVV, when they are built and usable. */
+        npu_ime2_gemm_portable(a, b, m, k, n, c);
+        return NPU_IME2_OK;
+    case NPU_IME2_PATH_RVV:
+#ifdef NPU_IME2_HAVE_RVV
+        return npu_ime2_gemm_rvv(a, b, m, k, n, c);
+#else
+        return NPU_IME2_ERR_BAD_PATH;
+#endif
+    case NPU_IME2_PATH_IME2:
+#ifdef NPU_IME2_HAVE_IME2
+        return npu_ime2_gemm_ime2(a, b, m, k, n, c);
+#else
+        return NPU_IME2_ERR_BAD_PATH;
+#endif
+    default:
+        return NPU_IME2_ERR_BAD_PATH;
+    }
+}
+
+static int path_known(int path) { return path >= NPU_IME2_PATH_AUTO && path <= NPU_IME2_PATH_IME2; }
+
+npu_ime2_status npu_ime2_gemm(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes, int64_t m,
+                              int64_t k, int64_t n, float *c, size_t c_bytes, int path)
+{
+    if (!a_packed || !b_packed || !c)
+        return NPU_IME2_ERR_NULL_POINTER;
+    if (!path_known(path))
+        return NPU_IME2_ERR_BAD_PATH;
+    size_t a_need, b_need;
+    npu_ime2_status st = check_gemm(m, k, n, c_bytes, &a_need, &b_need);
+    if (st != NPU_IME2_OK)
+        return st;
+    if (a_bytes < a_need || b_bytes < b_need)
+        return NPU_IME2_ERR_BAD_SHAPE; /* the inputs are too small for the stated shapes */
+    if (m == 0 || n == 0)
+        return NPU_IME2_OK;
+    return run_path(path, (const uint8_t *)a_packed, (const uint8_t *)b_packed, m, k, n, c);
+}
+
+npu_ime2_status npu_ime2_hp_gemm(const float *a, const uint8_t *qweight, const float *scales, int64_t m, int64_t k,
+                                 int64_t n, float *c, size_t c_bytes)
+{
+    if (!a || !qweight || !scales || !c)
+        return NPU_IME2_ERR_NULL_POINTER;
+    size_t a_need, b_need;
+    npu_ime2_status st = check_gemm(m, k, n, c_bytes, &a_need, &b_need);
+    if (st != NPU_IME2_OK)
+        return st;
+    /* Finite checks before any work (A first, as the numpy specification does). */
+    for (size_t i = 0; i < (size_t)(m * k); i++)
+        if (!isfinite(a[i]))
+            return NPU_IME2_ERR_NON_FINITE;
+    for (size_t i = 0; i < (size_t)(n * (k / QK)); i++)
+        if (!isfinite(scales[i]))
+            return NPU_IME2_ERR_NON_FINITE;
+    if (m == 0 || n == 0)
+        return NPU_IME2_OK;
+    uint8_t *ap = malloc(a_need);
+    uint8_t *bp = malloc(b_need);
+    if (!ap || !bp) {
+        free(ap);
+        free(bp);
+        return NPU_IME2_ERR_NO_MEMORY;
+    }
+    st = npu_ime2_quantize_a(a, m, k, ap, a_need);
+    if (st == NPU_IME2_OK)
+        st = npu_ime2_pack_b(qweight, scales, n, k, bp, b_need);
+    if (st == NPU_IME2_OK)
+        st = run_path(NPU_IME2_PATH_AUTO, ap, bp, m, k, n, c);
+    free(ap);
+    free(bp);
+    return st;
+}

@@ -1,0 +1,53 @@
+/* internal.h - shared constants and checks of the ime2 kernel sources (not installed). */
+#ifndef NPU_IME2_INTERNAL_H
+#define NPU_IME2_INTERNAL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "npu_ime2.h"
+
+#define QK 32                 /* Q4_0 block length */
+#define SUPERBLOCK_K 256      /* K per superblock */
+#define SUBBLOCKS 8           /* sub-blocks of 32 per superblock */
+#define TILE_N 32             /* columns per B tile */
+#define ROW_GROUP 4           /* rows quantized together */
+#define B_BLOCK 576           /* 64 B of fp16 scales + 512 B of nibbles */
+#define B_SCALES 64           /* offset of the nibbles in a B block */
+#define A_ROW 290             /* one row, one superblock */
+#define A_ROW_STRIDE 34       /* fp16 rel + 32 int8 */
+#define A_ROW_ASUM 272
+#define A_ROW_SA 288
+#define A_GROUP 1160          /* four rows, one superblock */
+#define A_GROUP_STRIDE 136
+#define A_GROUP_ASUM 1088
+#define A_GROUP_SA 1152
+
+/* Largest dimension accepted (keeps every size computation far from SIZE_MAX). */
+#define NPU_IME2_MAX_DIM (INT64_C(1) << 31)
+
+static inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+static inline int k_ok(int64_t k) { return k > 0 && k % QK == 0 && k <= NPU_IME2_MAX_DIM; }
+
+/* a * b * c with overflow detection (all non-negative), without 128-bit integers so that it
+ * builds on any architecture. Returns 0 when the product exceeds SIZE_MAX / 2. */
+static inline int mul3_size(int64_t a, int64_t b, int64_t c, size_t *out)
+{
+    const uint64_t limit = (uint64_t)(SIZE_MAX / 2);
+    uint64_t r = (uint64_t)a;
+    if (b != 0 && r > limit / (uint64_t)b)
+        return 0;
+    r *= (uint64_t)b;
+    if (c != 0 && r > limit / (uint64_t)c)
+        return 0;
+    r *= (uint64_t)c;
+    *out = (size_t)r;
+    return 1;
+}
+
+/* Portable GEMM on packed operands (shapes and sizes already validated). */
+void npu_ime2_gemm_portable(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                            float *c);
+
+#endif /* NPU_IME2_INTERNAL_H */
