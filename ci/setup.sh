@@ -67,6 +67,8 @@ say "installing npu-harness (editable) and the vllm distribution record"
 quiet "${PIP[@]}" install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
 say "building the IME2 kernel (kernels/ime2 -> plugins/vllm_npu/ime2/_build)"
 make -s -C kernels/ime2 OUT="$ROOT/plugins/vllm_npu/ime2/_build"
+say "building the riscv64 IME2 test driver (kernels/ime2 -> plugins/vllm_npu/ime2/_build/riscv64)"
+make -s -C kernels/ime2 riscv64 OUT="$ROOT/plugins/vllm_npu/ime2/_build/riscv64"
 
 # ---- 3. Checks -----------------------------------------------------------------------
 "$VENV/bin/python" - <<'PY'

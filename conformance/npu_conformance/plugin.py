@@ -72,10 +72,25 @@ def _scenario_name(item: pytest.Item) -> str:
     marker = item.get_closest_marker("scenario")
     base = (marker.kwargs.get("name") if marker else None) or item.originalname.removeprefix("test_")
     module = item.module.__name__.rsplit(".", 1)[-1].removeprefix("test_") if item.module else ""
+    return f"{module}.{base}{_ids_without_target(item)}"
+
+
+def _ids_without_target(item: pytest.Item) -> str:
+    """``[ids]`` of the item's parameters (pytest's own ids) without the target's id."""
     callspec = getattr(item, "callspec", None)
-    params = {k: v for k, v in callspec.params.items() if k != "target"} if callspec else {}
-    suffix = "[" + ",".join(str(v) for v in params.values()) + "]" if params else ""
-    return f"{module}.{base}{suffix}"
+    if callspec is None or "[" not in item.name:
+        return ""
+    ids = item.name[item.name.index("[") + 1 : -1]
+    target = callspec.params.get("target", "")
+    if ids == target:
+        ids = ""
+    elif ids.startswith(target + "-"):
+        ids = ids[len(target) + 1 :]
+    elif ids.endswith("-" + target):
+        ids = ids[: -len(target) - 1]
+    else:
+        ids = ids.replace(f"-{target}-", "-", 1)
+    return f"[{ids}]" if ids else ""
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -99,8 +99,16 @@ def _probe_ime2_qemu() -> Availability:
     failed = _seam_reason("npusim.q4x32", "ime2_hp_gemm")
     if failed:
         return failed
-    return Availability(False, "the riscv64 IME2 kernel and its QEMU driver (kernels/ime2) "
-                               "are not built yet: issue 3")
+    try:
+        from npu_conformance import qemu_ime2
+
+        missing = qemu_ime2.missing_reason()
+    except Exception as exc:  # noqa: BLE001 - any failure is a reason, never a crash
+        return Availability(False, f"npu_conformance.qemu_ime2 failed: {type(exc).__name__}: {exc}")
+    if missing:
+        return Availability(False, missing)
+    return Availability(True, "kernels/ime2 riscv64 driver under qemu-riscv64-static "
+                              "(portable path; RVV and IME2 paths: issue 3)")
 
 
 def _probe_mblt_hw() -> Availability:

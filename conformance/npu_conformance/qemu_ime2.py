@@ -1,0 +1,203 @@
+"""Run the riscv64 IME2 kernel driver under ``qemu-riscv64-static`` (issue 3, section 3).
+
+The driver (``kernels/ime2/driver/driver.c``, built by ``bash ci/setup.sh`` or
+``make -C kernels/ime2 riscv64 OUT=plugins/vllm_npu/ime2/_build/riscv64``) is a static riscv64
+binary holding the real kernel sources. :func:`run_driver` sends it one request (the
+little-endian format documented at the top of ``driver.c``), runs it under QEMU user mode with
+the requested VLEN and returns C. numpy only: no torch or vllm import.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import struct
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+QEMU = "qemu-riscv64-static"
+DRIVER_NAME = "npu_ime2_driver"
+BUILD_COMMAND = "make -C kernels/ime2 riscv64 OUT=plugins/vllm_npu/ime2/_build/riscv64  (or: bash ci/setup.sh)"
+#: Environment variable overriding the driver location.
+DRIVER_ENV = "NPU_IME2_QEMU_DRIVER"
+#: VLENs QEMU 7.2 accepts (bits).
+VLENS = (128, 256, 512, 1024)
+#: GEMM paths of the C ABI; ``hp_gemm`` is the whole op (npu_ime2_hp_gemm, AUTO path).
+PATHS = {"hp_gemm": -1, "auto": 0, "portable": 1, "rvv": 2, "ime2": 3}
+#: npu_ime2_status codes.
+STATUS = {0: "OK", 1: "BAD_K", 2: "BAD_SHAPE", 3: "NULL_POINTER", 4: "NON_FINITE",
+          5: "BUFFER_TOO_SMALL", 6: "WRONG_VLEN", 7: "BAD_PATH", 8: "NO_MEMORY"}
+
+_REQ = struct.Struct("<8sIiqqqQQQQ")  # 72 bytes
+_RESP = struct.Struct("<8siiiIqqQ")  # 48 bytes
+assert _REQ.size == 72 and _RESP.size == 48
+
+
+class QemuDriverError(RuntimeError):
+    """The driver could not be run, or it failed without a response (crash, bad request, timeout)."""
+
+
+class QemuDriverNotFound(QemuDriverError):
+    """``qemu-riscv64-static`` or the driver binary is missing."""
+
+
+class QemuDriverTimeout(QemuDriverError):
+    """The QEMU run exceeded its timeout."""
+
+
+class GuardCorruption(QemuDriverError):
+    """The kernel wrote outside an output buffer: a 4 KiB guard region came back changed."""
+
+
+class KernelStatusError(ValueError):
+    """The kernel returned a nonzero ``npu_ime2_status``.
+
+    Attributes:
+        status: the numeric code; name: e.g. ``"BAD_K"``; text: the kernel's status string.
+    """
+
+    def __init__(self, status: int, text: str):
+        self.status = status
+        self.name = STATUS.get(status, f"STATUS_{status}")
+        self.text = text
+        super().__init__(f"npu_ime2 status {status} ({self.name}): {text}")
+
+
+@dataclass(frozen=True)
+class DriverResult:
+    """One driver run: C, the kernel status, the vlenb the driver read, and QEMU wall seconds."""
+
+    c: np.ndarray | None
+    status: int
+    text: str
+    vlenb: int
+    guards_ok: bool
+    seconds: float
+    stderr: str
+
+
+def vlenb(vlen: int) -> int:
+    """Bytes per vector register at ``vlen`` bits (what ``csrr vlenb`` reads)."""
+    if vlen not in VLENS:
+        raise ValueError(f"vlen must be one of {VLENS} (QEMU's range), got {vlen}")
+    return vlen // 8
+
+
+def driver_path() -> Path:
+    """Where the built riscv64 driver is (it may not exist; see :data:`BUILD_COMMAND`).
+
+    ``$NPU_IME2_QEMU_DRIVER`` when set, else ``plugins/vllm_npu/ime2/_build/riscv64/npu_ime2_driver``
+    located through the ``vllm_npu`` package (not imported), else relative to this checkout.
+    """
+    env = os.environ.get(DRIVER_ENV)
+    if env:
+        return Path(env)
+    try:
+        spec = importlib.util.find_spec("vllm_npu")
+    except (ImportError, ValueError):
+        spec = None
+    if spec is not None and spec.submodule_search_locations:
+        base = Path(next(iter(spec.submodule_search_locations)))
+    else:
+        base = Path(__file__).resolve().parents[2] / "plugins" / "vllm_npu"
+    return base / "ime2" / "_build" / "riscv64" / DRIVER_NAME
+
+
+def qemu_path() -> str | None:
+    """Absolute path of ``qemu-riscv64-static`` on PATH, or None."""
+    return shutil.which(QEMU)
+
+
+def missing_reason() -> str | None:
+    """None when QEMU and the driver are both present; else what is missing and how to get it."""
+    if qemu_path() is None:
+        return f"{QEMU} is not on PATH (Debian package qemu-user-static; bash ci/setup.sh installs it)"
+    drv = driver_path()
+    if not drv.is_file():
+        return f"the riscv64 driver {drv} is not built: {BUILD_COMMAND}"
+    return None
+
+
+def encode_request(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, path: int) -> bytes:
+    """The request bytes (see driver.c). Shapes come from ``a`` [M, K] and ``qweight`` [N, ...]."""
+    a = np.ascontiguousarray(a, dtype="<f4")
+    qweight = np.ascontiguousarray(qweight, dtype=np.uint8)
+    scales = np.ascontiguousarray(scales, dtype="<f4")
+    if a.ndim != 2:
+        raise ValueError(f"A must be 2-D [M, K], got shape {a.shape}")
+    m, k = a.shape
+    n = qweight.shape[0] if qweight.ndim >= 1 else 0
+    header = _REQ.pack(b"NPUIME2Q", 1, path, m, k, n, a.nbytes, qweight.nbytes, scales.nbytes, 0)
+    return header + a.tobytes() + qweight.tobytes() + scales.tobytes()
+
+
+def decode_response(out: bytes) -> tuple[int, int, bool, str, np.ndarray | None]:
+    """(status, vlenb, guards_ok, text, C or None) from the driver's stdout."""
+    if len(out) < _RESP.size:
+        raise QemuDriverError(f"short driver response ({len(out)} bytes)")
+    magic, status, vb, guards, tlen, m, n, cbytes = _RESP.unpack_from(out)
+    if magic != b"NPUIME2R":
+        raise QemuDriverError(f"bad driver response magic {magic!r}")
+    if len(out) != _RESP.size + tlen + cbytes:
+        raise QemuDriverError(f"driver response is {len(out)} bytes, header says {_RESP.size + tlen + cbytes}")
+    text = out[_RESP.size:_RESP.size + tlen].decode("utf-8", "replace")
+    c = None
+    if status == 0:
+        if cbytes != m * n * 4:
+            raise QemuDriverError(f"driver returned {cbytes} bytes of C for [{m}, {n}]")
+        c = np.frombuffer(out[_RESP.size + tlen:], dtype="<f4").astype(np.float32).reshape(m, n)
+    return status, vb, bool(guards), text, c
+
+
+def run(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: int, path: str = "portable",
+        timeout: float = 60.0) -> DriverResult:
+    """Run the driver once under QEMU at ``vlen`` bits; never raises for a kernel status.
+
+    Raises:
+        QemuDriverNotFound, QemuDriverTimeout, GuardCorruption, QemuDriverError (crash or no
+        response), ValueError (bad vlen or path name).
+    """
+    vlenb(vlen)
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {sorted(PATHS)}, got {path!r}")
+    reason = missing_reason()
+    if reason:
+        raise QemuDriverNotFound(reason)
+    cmd = [qemu_path(), "-cpu", f"rv64,v=true,Zfh=true,vlen={vlen},vext_spec=v1.0", str(driver_path())]
+    req = encode_request(a, qweight, scales, PATHS[path])
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, input=req, capture_output=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as exc:
+        raise QemuDriverTimeout(f"{' '.join(cmd)} timed out after {timeout} s") from exc
+    seconds = time.perf_counter() - t0
+    stderr = proc.stderr.decode("utf-8", "replace").strip()
+    if proc.returncode not in (0, 3):
+        raise QemuDriverError(f"{' '.join(cmd)} exited with {proc.returncode}: {stderr or '(no stderr)'}")
+    status, vb, guards_ok, text, c = decode_response(proc.stdout)
+    if proc.returncode == 3 or not guards_ok:
+        raise GuardCorruption(f"vlen={vlen} path={path}: {stderr or 'guard region touched'}")
+    return DriverResult(c, status, text, vb, guards_ok, seconds, stderr)
+
+
+def run_driver(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: int, path: str = "portable",
+               timeout: float = 60.0) -> np.ndarray:
+    """C [M, N] float32 computed by the riscv64 kernel under QEMU at ``vlen`` bits.
+
+    ``path``: ``portable`` (default), ``auto``, ``rvv``, ``ime2`` (npu_ime2_gemm with that path
+    after packing in C) or ``hp_gemm`` (the whole op, npu_ime2_hp_gemm).
+
+    Raises:
+        KernelStatusError: the kernel returned a nonzero status (``.name``, e.g. ``BAD_K``).
+        GuardCorruption, QemuDriverTimeout, QemuDriverNotFound, QemuDriverError: see :func:`run`.
+    """
+    res = run(a, qweight, scales, vlen=vlen, path=path, timeout=timeout)
+    if res.status != 0:
+        raise KernelStatusError(res.status, res.text)
+    assert res.c is not None
+    return res.c

@@ -1,0 +1,55 @@
+"""IME2 Q4_0×32 tile GEMM scenarios (the ``ime2-qemu`` column; issue 3, section 3).
+
+The real kernel sources, cross-built as the static riscv64 driver, run under
+``qemu-riscv64-static`` (portable path; the RVV and IME2 paths are not built yet). Checks:
+
+* the QEMU-run kernel equals ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit;
+* its NMSE vs the float reference ``A @ dequant(W).T`` is at most :data:`MUL_MAT_NMSE`
+  (llama.cpp test-backend-ops' mul_mat bound), recorded as the figure ``nmse_vs_float``;
+* the QEMU wall time of the run is recorded as ``qemu_wall_s`` (a relative measure only).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+#: llama.cpp test-backend-ops' NMSE bound for mul_mat, vs the float reference.
+MUL_MAT_NMSE = 5e-4
+
+SHAPES = [  # (M, K, N): tails, K not a multiple of 256, and two seed (K, N) shapes at small M
+    (1, 32, 7),
+    (5, 288, 70),
+    (1, 576, 1536),
+    (4, 2048, 5632),
+]
+
+
+@pytest.mark.scenario(devices=("ime2",))
+@pytest.mark.parametrize("vlen", [128, 1024])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen):
+    if target.name != "ime2-qemu":
+        pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
+    import npusim.q4x32 as q
+    from npu_conformance import qemu_ime2
+
+    m, k, n = shape
+    rng = np.random.default_rng([3, m, k, n])
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    qweight, scales = q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
+
+    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path="portable", timeout=120)
+    assert res.status == 0, res.text
+    assert res.guards_ok and res.vlenb == vlen // 8
+    record.figure("qemu_wall_s", res.seconds, "s")
+
+    model = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+    mismatched = int(np.count_nonzero(res.c.view(np.uint32) != model.view(np.uint32)))
+    record.figure("bits_differing_from_model", mismatched, "elements")
+    assert mismatched == 0, f"{mismatched} of {m * n} elements differ from npusim.q4x32 hardware"
+
+    ref = a.astype(np.float64) @ q.dequantize_q4_0(qweight, scales, dtype=np.float64).T
+    err = q.nmse(ref, res.c)
+    record.figure("nmse_vs_float", err)
+    assert err <= MUL_MAT_NMSE

@@ -1,0 +1,152 @@
+"""The riscv64 build of kernels/ime2 under qemu-riscv64-static (issue 3, section 3; portable path).
+
+The static riscv64 driver (``kernels/ime2/driver/driver.c``, built by the set-up into
+``plugins/vllm_npu/ime2/_build/riscv64``) runs the real kernel sources under QEMU user mode at
+VLEN 128..1024. Its output must equal the host build of the same sources and
+``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit; the driver's 4 KiB guard regions
+around C and the packed operands must come back untouched; errors come back as statuses, never
+as crashes. The RVV and IME2 paths are not built yet (BAD_PATH).
+"""
+
+from __future__ import annotations
+
+import itertools
+import struct
+import subprocess
+
+import numpy as np
+import pytest
+
+import npusim.q4x32 as q
+from npu_conformance import qemu_ime2
+from vllm_npu.ime2 import ime2_hp_gemm_cpu
+
+_missing = qemu_ime2.missing_reason()
+pytestmark = pytest.mark.skipif(_missing is not None, reason=_missing or "")
+
+SHAPES = list(itertools.product((1, 4, 5), (32, 288), (7, 64)))  # (M, K, N)
+
+
+def operands(m: int, k: int, n: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([seed, m, k, n])
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    qweight, scales = q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
+    return a, qweight, scales
+
+
+def bits(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+
+
+@pytest.mark.parametrize("vlen", qemu_ime2.VLENS)
+def test_portable_path_is_bit_exact_at_every_vlen(vlen):
+    for m, k, n in SHAPES:
+        a, qweight, scales = operands(m, k, n)
+        res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path="portable")
+        assert res.status == 0, res.text
+        assert res.guards_ok
+        assert res.vlenb == qemu_ime2.vlenb(vlen) == vlen // 8
+        host = np.asarray(ime2_hp_gemm_cpu(a, qweight, scales))
+        sim = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+        assert res.c.shape == (m, n) and res.c.dtype == np.float32
+        np.testing.assert_array_equal(bits(res.c), bits(host), err_msg=f"vs host at {(m, k, n)}")
+        np.testing.assert_array_equal(bits(res.c), bits(sim), err_msg=f"vs npusim at {(m, k, n)}")
+
+
+@pytest.mark.parametrize("vlen", qemu_ime2.VLENS)
+def test_whole_op_and_auto_path_match_the_host(vlen):
+    # Two full 32-column tiles plus a 6-column tail; K = 544: two superblocks, the second padded.
+    a, qweight, scales = operands(6, 544, 70, seed=1)
+    host = bits(ime2_hp_gemm_cpu(a, qweight, scales))
+    for path in ("hp_gemm", "auto"):
+        np.testing.assert_array_equal(bits(qemu_ime2.run_driver(a, qweight, scales, vlen=vlen, path=path)), host)
+
+
+def test_vlenb_is_what_qemu_was_asked_for():
+    a, qweight, scales = operands(1, 32, 1)
+    assert [qemu_ime2.run(a, qweight, scales, vlen=v).vlenb for v in qemu_ime2.VLENS] == [16, 32, 64, 128]
+    with pytest.raises(ValueError, match="vlen must be one of"):
+        qemu_ime2.vlenb(2048)
+
+
+@pytest.mark.parametrize("path", ["rvv", "ime2"])
+def test_unbuilt_paths_return_bad_path(path):
+    a, qweight, scales = operands(4, 32, 7)
+    for vlen in (128, 1024):
+        with pytest.raises(qemu_ime2.KernelStatusError, match="BAD_PATH") as info:
+            qemu_ime2.run_driver(a, qweight, scales, vlen=vlen, path=path)
+        assert info.value.status == 7 and info.value.name == "BAD_PATH"
+        assert "not built into this library" in info.value.text
+
+
+@pytest.mark.parametrize("path", ["portable", "hp_gemm"])
+def test_bad_k_is_a_status_not_a_crash(path):
+    a, qweight, scales = operands(2, 64, 7)
+    with pytest.raises(qemu_ime2.KernelStatusError, match="BAD_K") as info:
+        qemu_ime2.run_driver(a[:, :40], qweight, scales, vlen=256, path=path)
+    assert info.value.status == 1 and "multiple of 32" in info.value.text
+
+
+def test_non_finite_input_is_a_status():
+    a, qweight, scales = operands(1, 32, 7)
+    a[0, 3] = np.nan
+    res = qemu_ime2.run(a, qweight, scales, vlen=128, path="hp_gemm")
+    assert (res.status, res.c, res.guards_ok) == (4, None, True)
+
+
+def test_empty_m_returns_an_empty_result():
+    a, qweight, scales = operands(0, 64, 7)
+    c = qemu_ime2.run_driver(a, qweight, scales, vlen=512)
+    assert c.shape == (0, 7)
+
+
+def test_request_round_trip_and_malformed_request():
+    a, qweight, scales = operands(1, 32, 2)
+    req = qemu_ime2.encode_request(a, qweight, scales, 1)
+    assert req[:8] == b"NPUIME2Q" and len(req) == 72 + 32 * 4 + 2 * 16 + 2 * 4
+    assert struct.unpack_from("<qqq", req, 16) == (1, 32, 2)
+    cmd = [qemu_ime2.qemu_path(), "-cpu", "rv64,v=true,Zfh=true,vlen=128,vext_spec=v1.0",
+           str(qemu_ime2.driver_path())]
+    bad = subprocess.run(cmd, input=b"XXXXXXXX" + req[8:], capture_output=True, timeout=60, check=False)
+    assert bad.returncode == 2 and b"bad request magic" in bad.stderr and bad.stdout == b""
+    short = subprocess.run(cmd, input=req[:-3], capture_output=True, timeout=60, check=False)
+    assert short.returncode == 2 and b"short request body" in short.stderr
+
+
+def test_guard_corruption_and_errors_are_reported(monkeypatch):
+    """The runner turns the driver's guard report (exit 3, guards_ok 0) into GuardCorruption."""
+    a, qweight, scales = operands(1, 32, 2)
+    good = qemu_ime2.run(a, qweight, scales, vlen=128)
+    text = b"ok"
+    resp = struct.pack("<8siiiIqqQ", b"NPUIME2R", 0, 16, 0, len(text), 1, 2, 8) + text + good.c.tobytes()
+
+    def fake_run(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, 3, resp, b"npu_ime2_driver: guard region of C touched: 0 bytes "
+                                                        b"before, 4 bytes after")
+
+    monkeypatch.setattr(qemu_ime2.subprocess, "run", fake_run)
+    with pytest.raises(qemu_ime2.GuardCorruption, match="guard region of C touched"):
+        qemu_ime2.run_driver(a, qweight, scales, vlen=128)
+
+    def crash(cmd, **kwargs):
+        return subprocess.CompletedProcess(cmd, -11, b"", b"segfault")
+
+    monkeypatch.setattr(qemu_ime2.subprocess, "run", crash)
+    with pytest.raises(qemu_ime2.QemuDriverError, match="exited with -11: segfault"):
+        qemu_ime2.run_driver(a, qweight, scales, vlen=128)
+
+    def hang(cmd, **kwargs):
+        raise subprocess.TimeoutExpired(cmd, kwargs["timeout"])
+
+    monkeypatch.setattr(qemu_ime2.subprocess, "run", hang)
+    with pytest.raises(qemu_ime2.QemuDriverTimeout, match="timed out after 0.5 s"):
+        qemu_ime2.run_driver(a, qweight, scales, vlen=128, timeout=0.5)
+
+
+def test_driver_is_built_without_a_zvl_flag():
+    """Only the portable path exists: the driver's RISC-V arch attribute must not pin VLEN > 128
+    (a zvl flag makes compiled vector code VLEN-specific; shared reference ime2.md section 7)."""
+    elf = qemu_ime2.driver_path().read_bytes()
+    assert elf[:4] == b"\x7fELF" and b"rv64i" in elf and b"_v1p0" in elf
+    for flag in (b"zvl256b", b"zvl512b", b"zvl1024b"):
+        assert flag not in elf
