@@ -1,0 +1,52 @@
+"""Wall time of the riscv64 IME2 driver under QEMU user mode, per VLEN (a relative measure only).
+
+    .venv/bin/python benchmarks/qemu_wall.py
+
+Times ``npu_conformance.qemu_ime2.run_driver(A, qweight, scales, vlen=V, path="portable")``
+(one QEMU process per call: start-up, request I/O, quantize A, GEMM on B packed in the driver)
+on three of the seed's shapes at M = 1 and 4, VLEN 128 and 1024; the median of 3 calls after one
+warm-up. The first row (K=32, N=1) is the fixed cost of a call. The portable C path is the
+only one built, so VLEN should make little difference; RVV and IME2 rows come when those
+paths exist. Also checks each result against the host C library bit for bit.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+
+from npu_conformance import qemu_ime2
+from vllm_npu.ime2 import kernel
+
+SHAPES = [(32, 1), (576, 1536), (896, 4864), (2048, 5632)]
+VLENS = (128, 1024)
+REPEATS = 3
+
+
+def main() -> None:
+    print("| K | N | M | " + " | ".join(f"VLEN {v} wall (median of {REPEATS})" for v in VLENS) + " |")
+    print("|---|---|---|" + "---|" * len(VLENS))
+    for k, n in SHAPES:
+        rng = np.random.default_rng(k + n)
+        qw = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+        sc = (rng.uniform(0.5, 1.5, (n, k // 32)) / 8).astype(np.float16).astype(np.float32)
+        for m in (1, 4):
+            a = rng.standard_normal((m, k)).astype(np.float32)
+            host = kernel.ime2_hp_gemm_cpu(a, qw, sc)
+            cells = []
+            for v in VLENS:
+                c = qemu_ime2.run_driver(a, qw, sc, vlen=v, path="portable", timeout=600)
+                assert np.array_equal(c, host), f"QEMU VLEN {v} differs from the host library"
+                ts = []
+                for _ in range(REPEATS):
+                    t0 = time.perf_counter()
+                    qemu_ime2.run_driver(a, qw, sc, vlen=v, path="portable", timeout=600)
+                    ts.append(time.perf_counter() - t0)
+                cells.append(f"{statistics.median(ts):.3f} s")
+            print(f"| {k} | {n} | {m} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
