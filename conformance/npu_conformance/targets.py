@@ -14,7 +14,7 @@ import platform
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vllm_npu.targets import TARGET_NAMES, UnknownTargetError
+from vllm_npu.targets import ENV_VAR, TARGET_NAMES, UnknownTargetError
 
 #: Column of the golden numpy decoder: the reference every device target is compared with.
 REFERENCE = "ref"
@@ -221,5 +221,5 @@ def availability(name: str) -> Availability:
 
 def env_targets() -> list[str] | None:
     """Targets named by ``NPU_HARNESS_TARGET`` when it is set (used as the pytest default)."""
-    value = os.environ.get("NPU_HARNESS_TARGET", "").strip()
+    value = os.environ.get(ENV_VAR, "").strip()
     return [value] if value else None
