@@ -185,7 +185,7 @@ def test_gemm_on_packed_operands_and_paths(m):
     hw = q.ime2_hp_gemm(a, qw, sc, level="hardware")
     for path in ("auto", "portable"):
         assert_bit_exact(kernel.gemm_packed(ap, bp, m, k, n, path=path), hw)
-    for path in ("rvv", "ime2"):  # hooks only: not built into the host library yet
+    for path in ("rvv", "ime2"):  # riscv64 builds only: never in the host library
         with pytest.raises(kernel.PathError, match="not built"):
             kernel.gemm_packed(ap, bp, m, k, n, path=path)
     with pytest.raises(kernel.PathError, match=r"path='avx' is not one of"):

@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define NPU_IME2_ABI_VERSION 1
+#define NPU_IME2_ABI_VERSION 2
 
 /* Bytes of one packed B block (K32 x N32: 32 fp16 scales + 512 nibble bytes). */
 #define NPU_IME2_B_BLOCK_BYTES 576
@@ -45,17 +45,29 @@ typedef enum npu_ime2_status {
 } npu_ime2_status;
 
 typedef enum npu_ime2_path {
-    NPU_IME2_PATH_AUTO = 0,     /* the best path built into this library (portable for now) */
+    NPU_IME2_PATH_AUTO = 0,     /* the first usable of: IME2, RVV, X86 (host SIMD), portable */
     NPU_IME2_PATH_PORTABLE = 1, /* portable C, any architecture */
-    NPU_IME2_PATH_RVV = 2,      /* RVV 1.0 intrinsics (not built yet: NPU_IME2_ERR_BAD_PATH) */
-    NPU_IME2_PATH_IME2 = 3      /* vmadot*.hp via .insn (not built yet: NPU_IME2_ERR_BAD_PATH) */
+    NPU_IME2_PATH_RVV = 2,      /* RVV 1.0 intrinsics, VLEN-agnostic (riscv64 builds only) */
+    NPU_IME2_PATH_IME2 = 3,     /* vmadot*.hp emitted with .insn, VLEN 1024 only (riscv64 builds) */
+    NPU_IME2_PATH_X86 = 4       /* x86-64 AVX2 + F16C, same results as portable bit for bit */
 } npu_ime2_path;
+
+/* Number of path values (AUTO included); valid paths are 0 .. NPU_IME2_PATH_COUNT - 1. */
+#define NPU_IME2_PATH_COUNT 5
 
 /* Human-readable name of a status code (static string; never NULL). */
 const char *npu_ime2_status_string(int status);
 
 /* ABI version of the loaded library (NPU_IME2_ABI_VERSION). */
 int npu_ime2_abi_version(void);
+
+/* Whether `path` can run here: NPU_IME2_OK; NPU_IME2_ERR_BAD_PATH when the path is unknown, not
+ * built into this library, or needs CPU features this CPU lacks; NPU_IME2_ERR_WRONG_VLEN for the
+ * IME2 path when vlenb != 128. Never touches vector state beyond reading vlenb. */
+npu_ime2_status npu_ime2_path_status(int path);
+
+/* The concrete path NPU_IME2_PATH_AUTO runs on this CPU (never NPU_IME2_PATH_AUTO itself). */
+int npu_ime2_auto_path(void);
 
 /* Bytes of packed B: ceil(N/32) * ceil(K/256) * 8 * 576. Requires N >= 1. */
 npu_ime2_status npu_ime2_b_packed_size(int64_t n, int64_t k, size_t *bytes);

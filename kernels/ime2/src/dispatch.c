@@ -2,25 +2,18 @@
  * dispatch.c - argument checks shared by every path, path selection, the whole op, and the
  * status strings.
  *
- * Paths: only the portable C path is built today. The RVV and IME2 paths are hooks: when their
- * sources exist they define NPU_IME2_HAVE_RVV / NPU_IME2_HAVE_IME2 and the functions
- * npu_ime2_gemm_rvv / npu_ime2_gemm_ime2 (issue 3, section 2; the IME2 path reads vlenb and
- * returns NPU_IME2_ERR_WRONG_VLEN unless it is 128). Until then asking for them explicitly
- * returns NPU_IME2_ERR_BAD_PATH and NPU_IME2_PATH_AUTO picks the portable path.
+ * Paths. The portable C path is always built. The others are compiled in when their source file
+ * is part of the build, which then defines (see internal.h):
+ *   NPU_IME2_HAVE_RVV   npu_ime2_gemm_rvv                         (src/gemm_rvv.c, riscv64)
+ *   NPU_IME2_HAVE_IME2  npu_ime2_gemm_ime2, npu_ime2_ime2_usable  (src/gemm_ime2.c, riscv64)
+ *   NPU_IME2_HAVE_X86   npu_ime2_gemm_x86, npu_ime2_x86_usable    (src/gemm_x86.c, x86-64)
+ * A path that is not built answers NPU_IME2_ERR_BAD_PATH. AUTO runs the first usable path of
+ * IME2 (vlenb == 128), RVV, X86 (the CPU has AVX2 and F16C), portable.
  */
 #include <math.h>
 #include <stdlib.h>
 
 #include "internal.h"
-
-#ifdef NPU_IME2_HAVE_RVV
-npu_ime2_status npu_ime2_gemm_rvv(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
-                                  float *c);
-#endif
-#ifdef NPU_IME2_HAVE_IME2
-npu_ime2_status npu_ime2_gemm_ime2(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
-                                   float *c);
-#endif
 
 const char *npu_ime2_status_string(int status)
 {
@@ -50,6 +43,44 @@ const char *npu_ime2_status_string(int status)
 
 int npu_ime2_abi_version(void) { return NPU_IME2_ABI_VERSION; }
 
+npu_ime2_status npu_ime2_path_status(int path)
+{
+    switch (path) {
+    case NPU_IME2_PATH_AUTO:
+    case NPU_IME2_PATH_PORTABLE:
+        return NPU_IME2_OK;
+    case NPU_IME2_PATH_RVV:
+#ifdef NPU_IME2_HAVE_RVV
+        return NPU_IME2_OK;
+#else
+        return NPU_IME2_ERR_BAD_PATH;
+#endif
+    case NPU_IME2_PATH_IME2:
+#ifdef NPU_IME2_HAVE_IME2
+        return npu_ime2_ime2_usable();
+#else
+        return NPU_IME2_ERR_BAD_PATH;
+#endif
+    case NPU_IME2_PATH_X86:
+#ifdef NPU_IME2_HAVE_X86
+        return npu_ime2_x86_usable() ? NPU_IME2_OK : NPU_IME2_ERR_BAD_PATH;
+#else
+        return NPU_IME2_ERR_BAD_PATH;
+#endif
+    default:
+        return NPU_IME2_ERR_BAD_PATH;
+    }
+}
+
+int npu_ime2_auto_path(void)
+{
+    static const int order[] = {NPU_IME2_PATH_IME2, NPU_IME2_PATH_RVV, NPU_IME2_PATH_X86};
+    for (size_t i = 0; i < sizeof order / sizeof order[0]; i++)
+        if (npu_ime2_path_status(order[i]) == NPU_IME2_OK)
+            return order[i];
+    return NPU_IME2_PATH_PORTABLE;
+}
+
 /* Validates the GEMM shapes and buffer sizes; fills the required sizes. */
 static npu_ime2_status check_gemm(int64_t m, int64_t k, int64_t n, size_t c_bytes, size_t *a_need, size_t *b_need)
 {
@@ -74,30 +105,33 @@ static npu_ime2_status check_gemm(int64_t m, int64_t k, int64_t n, size_t c_byte
 static npu_ime2_status run_path(int path, const uint8_t *a, const uint8_t *b, int64_t m, int64_t k, int64_t n,
                                 float *c)
 {
+    if (path == NPU_IME2_PATH_AUTO)
+        path = npu_ime2_auto_path();
+    const npu_ime2_status usable = npu_ime2_path_status(path);
+    if (usable != NPU_IME2_OK)
+        return usable; /* before any work: the op never runs a path this CPU cannot run */
     switch (path) {
-    case NPU_IME2_PATH_AUTO:
     case NPU_IME2_PATH_PORTABLE:
-        /* Hook: AUTO picks IME2, then RVV, when they are built and usable. */
         npu_ime2_gemm_portable(a, b, m, k, n, c);
         return NPU_IME2_OK;
-    case NPU_IME2_PATH_RVV:
 #ifdef NPU_IME2_HAVE_RVV
+    case NPU_IME2_PATH_RVV:
         return npu_ime2_gemm_rvv(a, b, m, k, n, c);
-#else
-        return NPU_IME2_ERR_BAD_PATH;
 #endif
-    case NPU_IME2_PATH_IME2:
 #ifdef NPU_IME2_HAVE_IME2
+    case NPU_IME2_PATH_IME2:
         return npu_ime2_gemm_ime2(a, b, m, k, n, c);
-#else
-        return NPU_IME2_ERR_BAD_PATH;
+#endif
+#ifdef NPU_IME2_HAVE_X86
+    case NPU_IME2_PATH_X86:
+        return npu_ime2_gemm_x86(a, b, m, k, n, c);
 #endif
     default:
         return NPU_IME2_ERR_BAD_PATH;
     }
 }
 
-static int path_known(int path) { return path >= NPU_IME2_PATH_AUTO && path <= NPU_IME2_PATH_IME2; }
+static int path_known(int path) { return path >= NPU_IME2_PATH_AUTO && path < NPU_IME2_PATH_COUNT; }
 
 npu_ime2_status npu_ime2_gemm(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes, int64_t m,
                               int64_t k, int64_t n, float *c, size_t c_bytes, int path)

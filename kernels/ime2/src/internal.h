@@ -50,4 +50,25 @@ static inline int mul3_size(int64_t a, int64_t b, int64_t c, size_t *out)
 void npu_ime2_gemm_portable(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
                             float *c);
 
+/* Optional paths (dispatch.c): each is defined by its own source file, which the build adds
+ * together with -DNPU_IME2_HAVE_<PATH>. They receive validated shapes with M, N >= 1 and are
+ * only called after their usable check passed. */
+#ifdef NPU_IME2_HAVE_RVV
+npu_ime2_status npu_ime2_gemm_rvv(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                  float *c);
+#endif
+#ifdef NPU_IME2_HAVE_IME2
+/* NPU_IME2_OK when vlenb == 128, else NPU_IME2_ERR_WRONG_VLEN (reads vlenb only). */
+npu_ime2_status npu_ime2_ime2_usable(void);
+/* Re-checks vlenb itself and returns NPU_IME2_ERR_WRONG_VLEN before touching vector state. */
+npu_ime2_status npu_ime2_gemm_ime2(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                   float *c);
+#endif
+#ifdef NPU_IME2_HAVE_X86
+/* 1 when the CPU has AVX2 and F16C (and the OS saves YMM state), else 0. */
+int npu_ime2_x86_usable(void);
+npu_ime2_status npu_ime2_gemm_x86(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                  float *c);
+#endif
+
 #endif /* NPU_IME2_INTERNAL_H */

@@ -44,14 +44,17 @@ __all__ = [
     "Status",
     "WrongVlenError",
     "a_packed_size",
+    "auto_path",
     "b_packed_size",
     "gemm_packed",
     "ime2_hp_gemm_cpu",
     "load_library",
     "pack_b",
+    "path_status",
     "quantize_a",
     "register_torch_op",
     "status_string",
+    "usable_paths",
 ]
 
 #: Where the host build is expected (relative to this package).
@@ -61,7 +64,7 @@ BUILD_COMMAND = "make -C kernels/ime2 OUT=plugins/vllm_npu/ime2/_build  (or: bas
 
 QK = 32
 #: The C ABI version this binding speaks (NPU_IME2_ABI_VERSION).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 
 class Status:
@@ -79,7 +82,8 @@ class Status:
 
 
 #: The C ABI's ``npu_ime2_path`` values.
-PATHS = {"auto": 0, "portable": 1, "rvv": 2, "ime2": 3}
+PATHS = {"auto": 0, "portable": 1, "rvv": 2, "ime2": 3, "x86": 4}
+_PATH_NAMES = {v: k for k, v in PATHS.items()}
 
 
 class Ime2Error(ValueError):
@@ -187,6 +191,10 @@ def load_library() -> ctypes.CDLL:
                 f"the IME2 kernel library {LIBRARY_PATH} has ABI version {lib.npu_ime2_abi_version()}, "
                 f"this binding needs {ABI_VERSION}; rebuild it with: {BUILD_COMMAND}"
             )
+        lib.npu_ime2_path_status.argtypes = [ctypes.c_int]
+        lib.npu_ime2_path_status.restype = ctypes.c_int
+        lib.npu_ime2_auto_path.argtypes = []
+        lib.npu_ime2_auto_path.restype = ctypes.c_int
         lib.npu_ime2_status_string.argtypes = [ctypes.c_int]
         lib.npu_ime2_status_string.restype = ctypes.c_char_p
         for name in ("npu_ime2_b_packed_size", "npu_ime2_a_packed_size"):
@@ -208,6 +216,27 @@ def load_library() -> ctypes.CDLL:
 def status_string(status: int) -> str:
     """The C library's description of a status code."""
     return load_library().npu_ime2_status_string(int(status)).decode()
+
+
+def path_status(path: str) -> int:
+    """The C library's ``npu_ime2_path_status`` for a path name (``Status.OK`` when it runs here).
+
+    Raises:
+        PathError: ``path`` is not one of ``PATHS``.
+    """
+    if path not in PATHS:
+        raise PathError(f"path={path!r} is not one of {', '.join(map(repr, PATHS))}")
+    return int(load_library().npu_ime2_path_status(PATHS[path]))
+
+
+def usable_paths() -> list[str]:
+    """The concrete path names (``auto`` excluded) this library can run on this CPU."""
+    return [p for p in PATHS if p != "auto" and path_status(p) == Status.OK]
+
+
+def auto_path() -> str:
+    """The concrete path ``auto`` runs on this CPU (``npu_ime2_auto_path``)."""
+    return _PATH_NAMES[int(load_library().npu_ime2_auto_path())]
 
 
 def _raise_for(status: int, context: str) -> None:
