@@ -5,7 +5,8 @@ The static riscv64 driver (``kernels/ime2/driver/driver.c``, built by the set-up
 VLEN 128..1024. Its output must equal the host build of the same sources and
 ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit; the driver's 4 KiB guard regions
 around C and the packed operands must come back untouched; errors come back as statuses, never
-as crashes. The RVV and IME2 paths are not built yet (BAD_PATH).
+as crashes. The RVV path (``src/gemm_rvv.c``, VLEN-agnostic intrinsics) runs the same matrix and
+must agree bit for bit too; the IME2 path is not built yet (BAD_PATH).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def test_vlenb_is_what_qemu_was_asked_for():
         qemu_ime2.vlenb(2048)
 
 
-@pytest.mark.parametrize("path", ["rvv", "ime2"])
+@pytest.mark.parametrize("path", ["ime2"])
 def test_unbuilt_paths_return_bad_path(path):
     a, qweight, scales = operands(4, 32, 7)
     for vlen in (128, 1024):
@@ -150,3 +151,91 @@ def test_driver_is_built_without_a_zvl_flag():
     assert elf[:4] == b"\x7fELF" and b"rv64i" in elf and b"_v1p0" in elf
     for flag in (b"zvl256b", b"zvl512b", b"zvl1024b"):
         assert flag not in elf
+
+
+# --- the VLEN x {portable, rvv} matrix (issue 3: "Matrix: VLEN 128, 256, 512, 1024 x paths") ---
+
+#: (M, K, N): M = 1 (m1), 4 (one group), 5 (a group + a single row); K = 32, 96 (one padded
+#: superblock), 288 (two, the second padded); N = 7 (tail only), 70 (two full tiles + a tail).
+MATRIX_SHAPES = list(itertools.product((1, 4, 5), (32, 96, 288), (7, 70)))
+VECTOR_PATHS = ("portable", "rvv")
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, what: str) -> None:
+    """Bit-identical, except that NaN payloads/signs may differ (NaN positions must match)."""
+    assert got.shape == want.shape and got.dtype == np.float32, what
+    nan = np.isnan(want)
+    np.testing.assert_array_equal(np.isnan(got), nan, err_msg=f"NaN positions, {what}")
+    np.testing.assert_array_equal(np.where(nan, 0, bits(got)), np.where(nan, 0, bits(want)), err_msg=what)
+
+
+def expected(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(host build, npusim hardware level); they must agree with each other first."""
+    host = np.asarray(ime2_hp_gemm_cpu(a, qweight, scales))
+    sim = np.asarray(q.ime2_hp_gemm(a, qweight, scales, level="hardware"), dtype=np.float32)
+    assert_same_bits(host, sim, "host vs npusim")
+    return host, sim
+
+
+@pytest.fixture(scope="module")
+def matrix_cases():
+    cases = []
+    for m, k, n in MATRIX_SHAPES:
+        a, qweight, scales = operands(m, k, n, seed=3)
+        cases.append(((m, k, n), a, qweight, scales, expected(a, qweight, scales)[0]))
+    return cases
+
+
+def test_rvv_path_is_built_into_the_driver():
+    a, qweight, scales = operands(1, 32, 7)
+    res = qemu_ime2.run(a, qweight, scales, vlen=128, path="rvv")
+    assert res.status == 0, res.text
+
+
+@pytest.mark.parametrize("path", VECTOR_PATHS)
+@pytest.mark.parametrize("vlen", qemu_ime2.VLENS)
+def test_vlen_path_matrix_is_bit_exact(vlen, path, matrix_cases):
+    for shape, a, qweight, scales, want in matrix_cases:
+        res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path)
+        assert res.status == 0, res.text
+        assert res.guards_ok and res.vlenb == vlen // 8
+        assert_same_bits(res.c, want, f"{path} at VLEN {vlen}, (M, K, N) = {shape}")
+
+
+def adversarial_operands(kind: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Inputs that push the fp16 steps to their limits, M = 5, K = 288, N = 70.
+
+    ``overflow``: all-positive activations with an outlier, codes 15 (large uncentered dots) and scales
+    up to 30, so fp16(dot * sc) and the fp16 sums overflow to inf (and inf - inf gives NaN).
+    ``tiny``: column scales 1e-9 .. 1e-4 (fp16 subnormals and values that round to 0) and one
+    activation row scaled by 1e-6 (a subnormal scale_avg).
+    """
+    m, k, n = 5, 288, 70
+    rng = np.random.default_rng([7, len(kind)])
+    qweight = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    if kind == "overflow":
+        a = np.abs(rng.standard_normal((m, k))).astype(np.float32)
+        a[:, 5] = 200.0  # an outlier: a large rel_j for sub-block 0
+        qweight[: n // 2] = 0xFF
+        scales = np.exp(rng.uniform(np.log(1e-2), np.log(30.0), (n, k // 32))).astype(np.float32)
+    else:
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        a[4] *= 1e-6
+        scales = np.exp(rng.uniform(np.log(1e-9), np.log(1e-4), (n, k // 32))).astype(np.float32)
+    return a, qweight, scales
+
+
+@pytest.mark.parametrize("kind", ["overflow", "tiny"])
+def test_adversarial_inputs_at_every_vlen(kind):
+    a, qweight, scales = adversarial_operands(kind)
+    want, _ = expected(a, qweight, scales)
+    if kind == "overflow":  # the inputs really reach inf, and some outputs stay finite
+        assert np.isinf(want).any() and np.isfinite(want).any()
+    else:  # fp16 subnormal column scales (6e-8 .. 6.1e-5) and scales that round to fp16 zero
+        assert ((scales >= 6e-8) & (scales < 6.1e-5)).any() and (scales < 2.9e-8).any()
+        assert np.isfinite(want).all() and (want != 0).any()
+    for vlen in qemu_ime2.VLENS:
+        for path in VECTOR_PATHS:
+            res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path)
+            assert res.status == 0 and res.guards_ok, res.text
+            assert_same_bits(res.c, want, f"{kind}: {path} at VLEN {vlen}")
