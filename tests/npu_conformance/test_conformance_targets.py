@@ -35,10 +35,11 @@ def test_unbuilt_simulators_name_their_issue():
         False, "npusim.mxq.Accelerator is not built yet: issue 4")
     ime2 = tg.availability("ime2-qemu")
     # Available once qemu-riscv64-static and the riscv64 driver are built (the set-up does
-    # both); the RVV and IME2 paths are still issue 3's. Unavailable names what is missing.
+    # both); it runs the portable and RVV paths, the IME2 path is still issue 3's. Unavailable
+    # names what is missing.
     if ime2.available:
         assert ime2.reason == ("kernels/ime2 riscv64 driver under qemu-riscv64-static "
-                               "(portable path; RVV and IME2 paths: issue 3)")
+                               "(portable and RVV paths; IME2 path: issue 3)")
     else:
         assert "qemu-riscv64-static" in ime2.reason or "make -C kernels/ime2 riscv64" in ime2.reason
 

@@ -1,7 +1,7 @@
 """IME2 Q4_0×32 tile GEMM scenarios (the ``ime2-qemu`` column; issue 3, section 3).
 
 The real kernel sources, cross-built as the static riscv64 driver, run under
-``qemu-riscv64-static`` (portable path; the RVV and IME2 paths are not built yet). Checks:
+``qemu-riscv64-static`` on the portable and the RVV path (the IME2 path is not built yet). Checks:
 
 * the QEMU-run kernel equals ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit;
 * its NMSE vs the float reference ``A @ dequant(W).T`` is at most :data:`MUL_MAT_NMSE`
@@ -26,9 +26,10 @@ SHAPES = [  # (M, K, N): tails, K not a multiple of 256, and two seed (K, N) sha
 
 
 @pytest.mark.scenario(devices=("ime2",))
+@pytest.mark.parametrize("path", ["portable", "rvv"])
 @pytest.mark.parametrize("vlen", [128, 1024])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen):
+def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen, path):
     if target.name != "ime2-qemu":
         pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
     import npusim.q4x32 as q
@@ -39,7 +40,7 @@ def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen):
     a = rng.standard_normal((m, k)).astype(np.float32)
     qweight, scales = q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
 
-    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path="portable", timeout=120)
+    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path, timeout=120)
     assert res.status == 0, res.text
     assert res.guards_ok and res.vlenb == vlen // 8
     record.figure("qemu_wall_s", res.seconds, "s")
