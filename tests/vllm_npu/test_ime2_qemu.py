@@ -145,7 +145,7 @@ def test_guard_corruption_and_errors_are_reported(monkeypatch):
 
 
 def test_driver_is_built_without_a_zvl_flag():
-    """Only the portable path exists: the driver's RISC-V arch attribute must not pin VLEN > 128
+    """Portable and RVV paths: the driver's RISC-V arch attribute must not pin VLEN > 128
     (a zvl flag makes compiled vector code VLEN-specific; shared reference ime2.md section 7)."""
     elf = qemu_ime2.driver_path().read_bytes()
     assert elf[:4] == b"\x7fELF" and b"rv64i" in elf and b"_v1p0" in elf
