@@ -47,6 +47,9 @@
 #include <string.h>
 
 #include "npu_ime2.h"
+#ifdef NPU_IME2_HAVE_EMU
+#include "ime2_emu.h" /* SIGILL emulation of vmadot*.hp under QEMU (inert when none runs) */
+#endif
 
 #define GUARD 4096
 #define GUARD_BYTE 0xA5
@@ -135,6 +138,10 @@ static int fail(const char *msg)
 int main(int argc, char **argv)
 {
     FILE *in = stdin;
+#ifdef NPU_IME2_HAVE_EMU
+    if (npu_ime2_emu_install() != 0)
+        return fail("cannot install the IME2 instruction emulator");
+#endif
     if (argc > 2)
         return fail("usage: npu_ime2_driver [REQUEST_FILE|-]");
     if (argc == 2 && strcmp(argv[1], "-") != 0) {
@@ -211,6 +218,9 @@ int main(int argc, char **argv)
     if (fwrite(resp, 1, RESP_HEADER, stdout) != RESP_HEADER || fwrite(text, 1, text_len, stdout) != text_len ||
         fwrite(guarded_ptr(&c), 1, out_c, stdout) != out_c || fflush(stdout) != 0)
         return fail("cannot write the response");
+#ifdef NPU_IME2_HAVE_EMU
+    npu_ime2_emu_report();
+#endif
     free(a);
     free(q);
     free(s);
