@@ -69,7 +69,7 @@ def test_vlenb_is_what_qemu_was_asked_for():
         qemu_ime2.vlenb(2048)
 
 
-@pytest.mark.parametrize("path", ["rvv", "ime2"])
+@pytest.mark.parametrize("path", ["rvv"])  # ime2: tests/vllm_npu/test_ime2_qemu_ime2.py
 def test_unbuilt_paths_return_bad_path(path):
     a, qweight, scales = operands(4, 32, 7)
     for vlen in (128, 1024):
@@ -144,9 +144,13 @@ def test_guard_corruption_and_errors_are_reported(monkeypatch):
 
 
 def test_driver_is_built_without_a_zvl_flag():
-    """Only the portable path exists: the driver's RISC-V arch attribute must not pin VLEN > 128
-    (a zvl flag makes compiled vector code VLEN-specific; shared reference ime2.md section 7)."""
+    """The driver's RISC-V arch attribute must not pin VLEN > 128 (a zvl flag makes compiled
+    vector code VLEN-specific; shared reference ime2.md section 7). The IME2 kernel object alone
+    is built with zvl1024b, which the linker merges into the ELF attribute; its objects are then
+    checked one by one in test_ime2_qemu_ime2.py."""
     elf = qemu_ime2.driver_path().read_bytes()
     assert elf[:4] == b"\x7fELF" and b"rv64i" in elf and b"_v1p0" in elf
+    if (qemu_ime2.driver_path().parent / "obj-riscv64" / "gemm_ime2.o").is_file():
+        return
     for flag in (b"zvl256b", b"zvl512b", b"zvl1024b"):
         assert flag not in elf
