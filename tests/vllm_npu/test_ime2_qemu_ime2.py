@@ -295,3 +295,18 @@ def test_only_the_ime2_kernel_object_is_built_with_zvl1024b():
     libc = Path("/usr/riscv64-linux-gnu/lib/libc.a")
     if libc.is_file():
         assert b"zvl1024b" not in libc.read_bytes()
+
+
+def test_ime2_gemm_with_the_fused_emulator_equals_the_fused_model(monkeypatch):
+    """The emulator's rounding option carries through the whole kernel: with
+    NPU_IME2_EMU_ROUNDING=fused the IME2 path equals ime2_hp_gemm(rounding="fused"), which
+    differs from the default (unfused) model on this case."""
+    m, k, n = 4, 512, 70
+    a, qweight, scales = operands(m, k, n, seed=8)
+    monkeypatch.setenv(qemu_ime2.EMU_ENV["rounding"], "fused")
+    res = qemu_ime2.run(a, qweight, scales, vlen=1024, path="ime2")
+    assert res.status == 0 and res.guards_ok, res.text
+    fused = q.ime2_hp_gemm(a, qweight, scales, level="hardware", rounding="fused")
+    unfused = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+    assert not np.array_equal(bits(fused), bits(unfused))
+    assert_bits_equal(res.c, fused, "fused emulator vs fused model")
