@@ -5,7 +5,8 @@ The static riscv64 driver (``kernels/ime2/driver/driver.c``, built by the set-up
 VLEN 128..1024. Its output must equal the host build of the same sources and
 ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit; the driver's 4 KiB guard regions
 around C and the packed operands must come back untouched; errors come back as statuses, never
-as crashes. The RVV and IME2 paths are not built yet (BAD_PATH).
+as crashes. The RVV path is not built yet (BAD_PATH); the IME2 path is tested in
+``test_ime2_qemu_ime2.py``.
 """
 
 from __future__ import annotations

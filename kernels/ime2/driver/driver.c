@@ -40,6 +40,10 @@
  *
  * Exit status: 0 response written, guards intact (whatever the kernel status); 2 bad request or
  * I/O error (message on stderr, no response); 3 guard region touched.
+ *
+ * IME2 under QEMU: when built with driver/ime2_emu.c (NPU_IME2_HAVE_EMU) the driver first
+ * installs the SIGILL emulator of vmadot*.hp (ime2_emu.h: options NPU_IME2_EMU_*; with
+ * NPU_IME2_EMU_COUNT=1 it prints "npu_ime2_emu: emulated=<n>" on stderr at the end).
  */
 #include <stdint.h>
 #include <stdio.h>
