@@ -310,3 +310,30 @@ def test_ime2_gemm_with_the_fused_emulator_equals_the_fused_model(monkeypatch):
     unfused = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
     assert not np.array_equal(bits(fused), bits(unfused))
     assert_bits_equal(res.c, fused, "fused emulator vs fused model")
+
+
+ADVERSARIAL = ("all_positive", "all_negative", "outlier", "zero_rows", "tiny_scales")
+
+
+@pytest.mark.parametrize("case", ADVERSARIAL)
+def test_ime2_path_adversarial_inputs_match_the_model(case):
+    """Inputs that stress the nibble planes and the fp16 tile accumulator: uncentered dots
+    (all-positive / all-negative activations: hi planes at their extremes), an outlier sub-block,
+    all-zero rows (zero scales), fp16-subnormal tile scales."""
+    m, k, n = 9, 768, 64  # two 4-row groups + one single row, three superblocks
+    a, qweight, scales = operands(m, k, n, seed=9)
+    if case == "all_positive":
+        a = np.abs(a)
+    elif case == "all_negative":
+        a = -np.abs(a)
+    elif case == "outlier":
+        a[:, 40] = 200.0
+    elif case == "zero_rows":
+        a[[0, 5, 8]] = 0.0
+    elif case == "tiny_scales":
+        scales = (scales * np.float32(1e-4)).astype(np.float32)
+    res = qemu_ime2.run(a, qweight, scales, vlen=1024, path="ime2")
+    assert res.status == 0 and res.guards_ok, res.text
+    portable = kernel.gemm_packed(kernel.quantize_a(a), kernel.pack_b(qweight, scales), m, k, n, path="portable")
+    assert_bits_equal(res.c, portable, f"{case}: vs host portable")
+    assert_bits_equal(res.c, q.ime2_hp_gemm(a, qweight, scales, level="hardware"), f"{case}: vs npusim")
