@@ -337,3 +337,59 @@ def test_ime2_path_adversarial_inputs_match_the_model(case):
     portable = kernel.gemm_packed(kernel.quantize_a(a), kernel.pack_b(qweight, scales), m, k, n, path="portable")
     assert_bits_equal(res.c, portable, f"{case}: vs host portable")
     assert_bits_equal(res.c, q.ime2_hp_gemm(a, qweight, scales, level="hardware"), f"{case}: vs npusim")
+
+
+# ---------------------------------------------------------------------------------------------
+# the kernel object, statically (riscv64-linux-gnu-objdump from binutils-riscv64-linux-gnu)
+
+OBJDUMP = "riscv64-linux-gnu-objdump"
+
+
+def _disassembly() -> dict[str, list[str]]:
+    """Instruction lines of gemm_ime2.o per function symbol (mnemonic and operands only)."""
+    import re
+    import shutil
+    import subprocess
+
+    if shutil.which(OBJDUMP) is None:
+        pytest.skip(f"{OBJDUMP} not on PATH (Debian binutils-riscv64-linux-gnu)")
+    obj = qemu_ime2.driver_path().parent / "obj-riscv64" / "gemm_ime2.o"
+    text = subprocess.run([OBJDUMP, "-d", str(obj)], capture_output=True, text=True, check=True).stdout
+    funcs: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        head = re.match(r"^[0-9a-f]+ <([^>]+)>:$", line)
+        if head:
+            if not head.group(1).startswith(".L"):  # local labels stay in their function
+                current = head.group(1)
+                funcs[current] = []
+            continue
+        ins = re.match(r"^\s+[0-9a-f]+:\s+([0-9a-f]+)\s+(.*)$", line)
+        if ins and current:
+            funcs[current].append(f"{ins.group(1)} {ins.group(2).strip()}")
+    return funcs
+
+
+def test_kernel_issues_exactly_the_documented_hp_words():
+    """gemm_ime2.o holds the 8 .hp words of one sub-block, in order (hi then lo per 8-column
+    group), and they decode as vmadotsu.hp / vmadotu.hp on the documented registers."""
+    words = [int(line.split()[0], 16) for body in _disassembly().values() for line in body
+             if len(line.split()[0]) == 8 and int(line.split()[0], 16) & 0x7F == 0x2B]
+    expected = []
+    for g in range(4):
+        expected.append(q.encode_hp(16 + g, 8, 12 + g, imm3=4 + g, vscale=0, signedness="su"))
+        expected.append(q.encode_hp(16 + g, 9, 12 + g, imm3=g, vscale=0, signedness="u"))
+    assert words == expected, [hex(w) for w in words]
+    assert q.format_hp(q.decode_hp(words[0])) == "vmadotsu.hp v16, v8, v12, v0, 4, i4"
+    assert q.format_hp(q.decode_hp(words[1])) == "vmadotu.hp v16, v9, v12, v0, 0, i4"
+
+
+def test_entry_points_touch_no_vector_state_before_the_vlenb_check():
+    """npu_ime2_ime2_usable and npu_ime2_gemm_ime2 (which check vlenb == 128 and return
+    WRONG_VLEN) contain no vector instruction: the zvl1024b work is out of line, after the check."""
+    funcs = _disassembly()
+    for name in ("npu_ime2_ime2_usable", "npu_ime2_gemm_ime2"):
+        body = funcs[name]
+        assert any("csrr" in line and "vlenb" in line for line in body), name
+        vector = [line for line in body if line.split()[1].startswith("v")]
+        assert vector == [], f"{name}: {vector}"
