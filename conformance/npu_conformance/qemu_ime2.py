@@ -28,7 +28,7 @@ DRIVER_ENV = "NPU_IME2_QEMU_DRIVER"
 #: VLENs QEMU 7.2 accepts (bits).
 VLENS = (128, 256, 512, 1024)
 #: GEMM paths of the C ABI; ``hp_gemm`` is the whole op (npu_ime2_hp_gemm, AUTO path).
-PATHS = {"hp_gemm": -1, "auto": 0, "portable": 1, "rvv": 2, "ime2": 3}
+PATHS = {"hp_gemm": -1, "auto": 0, "portable": 1, "rvv": 2, "ime2": 3, "x86": 4}
 #: npu_ime2_status codes.
 STATUS = {0: "OK", 1: "BAD_K", 2: "BAD_SHAPE", 3: "NULL_POINTER", 4: "NON_FINITE",
           5: "BUFFER_TOO_SMALL", 6: "WRONG_VLEN", 7: "BAD_PATH", 8: "NO_MEMORY"}
@@ -201,3 +201,69 @@ def run_driver(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: 
         raise KernelStatusError(res.status, res.text)
     assert res.c is not None
     return res.c
+
+
+# ---------------------------------------------------------------------------------------------
+# The IME2 instruction emulator's probe (kernels/ime2/driver/ime2_probe.c): single .hp words on
+# given register files, for testing the SIGILL emulator against npusim.q4x32.execute_hp.
+
+PROBE_NAME = "npu_ime2_emu_probe"
+#: Environment variables of the emulator (kernels/ime2/driver/ime2_emu.h), read at start-up.
+EMU_ENV = {"rounding": "NPU_IME2_EMU_ROUNDING", "dot": "NPU_IME2_EMU_DOT", "overflow": "NPU_IME2_EMU_OVERFLOW",
+           "count": "NPU_IME2_EMU_COUNT"}
+
+
+def probe_path() -> Path:
+    """The probe binary, next to the driver (built by the same ``make ... riscv64``)."""
+    return driver_path().with_name(PROBE_NAME)
+
+
+def emulated_count(stderr: str) -> int | None:
+    """The ``npu_ime2_emu: emulated=<n>`` figure printed when ``NPU_IME2_EMU_COUNT`` is set."""
+    for line in stderr.splitlines():
+        if line.startswith("npu_ime2_emu: emulated="):
+            return int(line.split("=", 1)[1])
+    return None
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One probe run: the register files after each word (None unless the run succeeded)."""
+
+    regs: np.ndarray | None  # uint8 [count, 32, vlenb]
+    returncode: int
+    stderr: str
+
+
+def run_probe(words: list[int], regs: np.ndarray, *, vlen: int = 1024, env: dict[str, str] | None = None,
+              timeout: float = 60.0) -> ProbeResult:
+    """Execute ``words[i]`` on register file ``regs[i]`` (uint8 [count, 32, vlen/8]) under QEMU.
+
+    ``env`` adds environment variables (e.g. ``{EMU_ENV["rounding"]: "fused"}``). A word the
+    emulator rejects makes the probe die with SIGILL (``returncode == -signal.SIGILL``).
+
+    Raises:
+        QemuDriverNotFound: QEMU or the probe is missing. QemuDriverTimeout.
+    """
+    vb = vlenb(vlen)
+    regs = np.ascontiguousarray(regs, dtype=np.uint8)
+    if regs.shape != (len(words), 32, vb):
+        raise ValueError(f"regs must have shape ({len(words)}, 32, {vb}), got {regs.shape}")
+    if qemu_path() is None or not probe_path().is_file():
+        raise QemuDriverNotFound(f"{QEMU} or the probe {probe_path()} is missing: {BUILD_COMMAND}")
+    body = b"".join(struct.pack("<I", w) + r.tobytes() for w, r in zip(words, regs))
+    req = b"NPUIME2E" + struct.pack("<I", len(words)) + body
+    cmd = [qemu_path(), "-cpu", f"rv64,v=true,Zfh=true,vlen={vlen},vext_spec=v1.0", str(probe_path())]
+    try:
+        proc = subprocess.run(cmd, input=req, capture_output=True, timeout=timeout, check=False,
+                              env={**os.environ, **(env or {})})
+    except subprocess.TimeoutExpired as exc:
+        raise QemuDriverTimeout(f"{' '.join(cmd)} timed out after {timeout} s") from exc
+    stderr = proc.stderr.decode("utf-8", "replace").strip()
+    out = None
+    if proc.returncode == 0:
+        expect = 12 + len(words) * 32 * vb
+        if len(proc.stdout) != expect or proc.stdout[:8] != b"NPUIME2F":
+            raise QemuDriverError(f"probe response is {len(proc.stdout)} bytes, expected {expect}")
+        out = np.frombuffer(proc.stdout[12:], dtype=np.uint8).reshape(len(words), 32, vb).copy()
+    return ProbeResult(out, proc.returncode, stderr)

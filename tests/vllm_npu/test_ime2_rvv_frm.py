@@ -91,7 +91,10 @@ def program(tmp_path_factory) -> Path:
     subprocess.run(["make", "-s", "-C", str(KERNEL), "riscv64", f"OUT={base}"], env=env, check=True,
                    capture_output=True, timeout=600)
     objs = [base / "obj-riscv64" / f"{name}.o" for name in ("pack", "gemm_portable", "dispatch", "gemm_rvv")]
-    extra = sorted(p for p in (base / "obj-riscv64").glob("*.o") if p not in objs and p.name != "driver.o")
+    # the other kernel sources (e.g. gemm_ime2.c, which dispatch.o links to); not the driver's
+    # programs (driver.c, ime2_probe.c have their own main) nor the emulator
+    extra = sorted(base / "obj-riscv64" / f"{src.stem}.o" for src in (KERNEL / "src").glob("*.c"))
+    extra = [p for p in extra if p not in objs]
     src = base / "frm.c"
     src.write_text(PROGRAM)
     exe = base / "frm"

@@ -54,3 +54,55 @@ def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen, path):
     err = q.nmse(ref, res.c)
     record.figure("nmse_vs_float", err)
     assert err <= MUL_MAT_NMSE
+
+
+# ---- the IME2 path (vmadot*.hp via .insn; run under QEMU through the driver's SIGILL emulator)
+
+IME2_SHAPES = [(1, 32, 7), (5, 288, 70), (4, 512, 64)]  # tail only, tail + tiles, N % 32 == 0
+
+
+@pytest.mark.scenario(devices=("ime2",))
+@pytest.mark.parametrize("shape", IME2_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_ime2_path_matches_hardware_model_at_vlen_1024(target, record, shape, monkeypatch):
+    """The IME2 path at VLEN 1024 equals npusim.q4x32 hardware bit for bit (NaN == NaN)."""
+    if target.name != "ime2-qemu":
+        pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
+    import npusim.q4x32 as q
+    from npu_conformance import qemu_ime2
+
+    m, k, n = shape
+    rng = np.random.default_rng([4, m, k, n])
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    qweight, scales = q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
+    monkeypatch.setenv("NPU_IME2_EMU_COUNT", "1")  # the emulator reports the .hp count on stderr
+
+    res = qemu_ime2.run(a, qweight, scales, vlen=1024, path="ime2", timeout=120)
+    assert res.status == 0, res.text
+    assert res.guards_ok and res.vlenb == 128
+    record.figure("qemu_wall_s", res.seconds, "s")
+    for line in res.stderr.splitlines():
+        if line.startswith("npu_ime2_emu: emulated="):
+            record.figure("hp_instructions", int(line.split("=", 1)[1]), "instructions")
+
+    model = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+    both_nan = np.isnan(res.c) & np.isnan(model)
+    mismatched = int(np.count_nonzero((res.c.view(np.uint32) != model.view(np.uint32)) & ~both_nan))
+    record.figure("bits_differing_from_model", mismatched, "elements")
+    assert mismatched == 0, f"{mismatched} of {m * n} elements differ from npusim.q4x32 hardware"
+
+
+@pytest.mark.scenario(devices=("ime2",))
+@pytest.mark.parametrize("vlen", [128, 256, 512])
+def test_ime2_path_refuses_below_vlen_1024(target, vlen):
+    """Below VLEN 1024 the IME2 path returns NPU_IME2_ERR_WRONG_VLEN: no crash, no C, guards intact."""
+    if target.name != "ime2-qemu":
+        pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
+    import npusim.q4x32 as q
+    from npu_conformance import qemu_ime2
+
+    rng = np.random.default_rng([5, vlen])
+    a = rng.standard_normal((5, 288)).astype(np.float32)
+    qweight, scales = q.quantize_q4_0(rng.standard_normal((70, 288)).astype(np.float32))
+    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path="ime2", timeout=120)
+    assert (res.status, qemu_ime2.STATUS[res.status]) == (6, "WRONG_VLEN"), res.text
+    assert res.c is None and res.guards_ok and res.vlenb == vlen // 8

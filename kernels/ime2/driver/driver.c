@@ -40,6 +40,10 @@
  *
  * Exit status: 0 response written, guards intact (whatever the kernel status); 2 bad request or
  * I/O error (message on stderr, no response); 3 guard region touched.
+ *
+ * IME2 under QEMU: when built with driver/ime2_emu.c (NPU_IME2_HAVE_EMU) the driver first
+ * installs the SIGILL emulator of vmadot*.hp (ime2_emu.h: options NPU_IME2_EMU_*; with
+ * NPU_IME2_EMU_COUNT=1 it prints "npu_ime2_emu: emulated=<n>" on stderr at the end).
  */
 #include <stdint.h>
 #include <stdio.h>
@@ -47,6 +51,9 @@
 #include <string.h>
 
 #include "npu_ime2.h"
+#ifdef NPU_IME2_HAVE_EMU
+#include "ime2_emu.h" /* SIGILL emulation of vmadot*.hp under QEMU (inert when none runs) */
+#endif
 
 #define GUARD 4096
 #define GUARD_BYTE 0xA5
@@ -135,6 +142,10 @@ static int fail(const char *msg)
 int main(int argc, char **argv)
 {
     FILE *in = stdin;
+#ifdef NPU_IME2_HAVE_EMU
+    if (npu_ime2_emu_install() != 0)
+        return fail("cannot install the IME2 instruction emulator");
+#endif
     if (argc > 2)
         return fail("usage: npu_ime2_driver [REQUEST_FILE|-]");
     if (argc == 2 && strcmp(argv[1], "-") != 0) {
@@ -211,6 +222,9 @@ int main(int argc, char **argv)
     if (fwrite(resp, 1, RESP_HEADER, stdout) != RESP_HEADER || fwrite(text, 1, text_len, stdout) != text_len ||
         fwrite(guarded_ptr(&c), 1, out_c, stdout) != out_c || fflush(stdout) != 0)
         return fail("cannot write the response");
+#ifdef NPU_IME2_HAVE_EMU
+    npu_ime2_emu_report();
+#endif
     free(a);
     free(q);
     free(s);

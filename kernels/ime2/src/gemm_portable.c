@@ -197,3 +197,19 @@ void npu_ime2_gemm_portable(const uint8_t *a_packed, const uint8_t *b_packed, in
         row0 += rows;
     }
 }
+
+/* Only the partial last tile (columns 32 * (N / 32) .. N - 1, the scalar tail), all rows; for
+ * the paths that compute the full tiles themselves. Nothing when N % 32 == 0. */
+void npu_ime2_gemm_portable_tail(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                 float *c)
+{
+    if (n % TILE_N == 0)
+        return;
+    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
+    for (int64_t row0 = 0; row0 < m;) {
+        const int grouped = row0 < grouped_rows;
+        const int rows = grouped ? ROW_GROUP : 1;
+        tile_rows(a_packed, b_packed, m, k, n, row0, rows, grouped, n / TILE_N, c);
+        row0 += rows;
+    }
+}

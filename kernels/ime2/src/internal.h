@@ -49,6 +49,9 @@ static inline int mul3_size(int64_t a, int64_t b, int64_t c, size_t *out)
 /* Portable GEMM on packed operands (shapes and sizes already validated). */
 void npu_ime2_gemm_portable(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
                             float *c);
+/* The portable path restricted to the columns past 32 * (N / 32) (the scalar tail), all rows. */
+void npu_ime2_gemm_portable_tail(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                 float *c);
 
 /* Optional paths (dispatch.c): each is defined by its own source file, which the build adds
  * together with -DNPU_IME2_HAVE_<PATH>. They receive validated shapes with M, N >= 1 and are
