@@ -108,7 +108,7 @@ def _probe_ime2_qemu() -> Availability:
     if missing:
         return Availability(False, missing)
     return Availability(True, "kernels/ime2 riscv64 driver under qemu-riscv64-static "
-                              "(portable and RVV paths; IME2 path: issue 3)")
+                              "(portable, RVV and IME2 paths; IME2 .hp emulated on SIGILL)")
 
 
 def _probe_mblt_hw() -> Availability:

@@ -39,7 +39,7 @@ def test_unbuilt_simulators_name_their_issue():
     # names what is missing.
     if ime2.available:
         assert ime2.reason == ("kernels/ime2 riscv64 driver under qemu-riscv64-static "
-                               "(portable and RVV paths; IME2 path: issue 3)")
+                               "(portable, RVV and IME2 paths; IME2 .hp emulated on SIGILL)")
     else:
         assert "qemu-riscv64-static" in ime2.reason or "make -C kernels/ime2 riscv64" in ime2.reason
 

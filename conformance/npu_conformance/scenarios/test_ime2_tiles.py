@@ -1,7 +1,9 @@
 """IME2 Q4_0×32 tile GEMM scenarios (the ``ime2-qemu`` column; issue 3, section 3).
 
 The real kernel sources, cross-built as the static riscv64 driver, run under
-``qemu-riscv64-static`` on the portable and the RVV path (the IME2 path is not built yet). Checks:
+``qemu-riscv64-static`` on the portable, RVV and IME2 paths (the IME2 path's ``vmadot*.hp``
+instructions emulated by the driver's SIGILL handler; VLEN 1024 only, ``WRONG_VLEN`` below).
+Checks:
 
 * the QEMU-run kernel equals ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit;
 * its NMSE vs the float reference ``A @ dequant(W).T`` is at most :data:`MUL_MAT_NMSE`
