@@ -81,6 +81,10 @@ def check_paths(ap: bytes, bp: bytes, m: int, k: int, n: int, hw: np.ndarray) ->
         c = kernel.gemm_packed(ap, bp, m, k, n, path=path)
         assert_bit_exact(c, hw)
         assert_same_bits(c, portable, f"path {path!r} vs portable")
+    if "x86" in paths:  # the X86 path's AVX2 variant too (the best one for this CPU ran above)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NPU_IME2_X86_ISA", "avx2")
+            assert_same_bits(kernel.gemm_packed(ap, bp, m, k, n, path="x86"), portable, "x86 (AVX2) vs portable")
 
 
 def check_agreement(a: np.ndarray, qw: np.ndarray, sc: np.ndarray) -> np.ndarray:

@@ -34,6 +34,21 @@ CPU_HAS_AVX2_F16C = {"avx2", "f16c"} <= _cpu_flags()
 needs_x86 = pytest.mark.skipif(not CPU_HAS_AVX2_F16C, reason="this CPU lacks AVX2 or F16C (or is not x86-64 Linux)")
 
 
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_fp16"}
+
+
+@pytest.fixture(scope="module", autouse=True, params=["best", "avx2"])
+def x86_isa(request):
+    """Every test here runs twice: with the X86 path's best variant for this CPU (AVX-512 VNNI +
+    FP16 where present) and with its AVX2 + F16C variant forced (NPU_IME2_X86_ISA=avx2)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "avx2":
+            mp.setenv("NPU_IME2_X86_ISA", "avx2")
+        else:
+            mp.delenv("NPU_IME2_X86_ISA", raising=False)
+        yield request.param
+
+
 def bits(c: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(c, dtype=np.float32).view(np.uint32)
 

@@ -1,5 +1,9 @@
 /*
  * gemm_x86.c - the X86 GEMM path: AVX2 + F16C, the same results as gemm_portable.c bit for bit.
+ * Where the CPU also has AVX-512 (F, BW, VL, VNNI, FP16) a 16-column variant runs instead (see
+ * block16 below); NPU_IME2_X86_ISA=avx2 in the environment forces the AVX2 one (tests, benchmarks).
+ * Both are built with per-function target attributes: the library needs no -m flags and loads on
+ * any x86-64; npu_ime2_x86_usable() and the variant choice check the CPU at run time.
  *
  * Arithmetic (see the top of gemm_portable.c for the sequence the model rounds): every fp16
  * rounding is done as fp32 -> fp16 -> fp32 with VCVTPS2PH (immediate rounding: to nearest even,
@@ -76,6 +80,7 @@ typedef struct {
     float rel16[SUBBLOCKS]; /* fp16(rel_j * 16) */
     float asum8[SUBBLOCKS]; /* fp16 asum8_j of this row */
     float sa;               /* fp16 scale_avg */
+    uint16_t rel_h[SUBBLOCKS], rel16_h[SUBBLOCKS], asum8_h[SUBBLOCKS]; /* the same as fp16 bits */
 } a_prep;
 
 static inline f16_t get_f16(const uint8_t *p) { return (f16_t)(p[0] | (p[1] << 8)); }
@@ -108,9 +113,12 @@ static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s,
     }
     for (int j = 0; j < SUBBLOCKS; j++) {
         const f16_t rel = get_f16(rel_p[j]);
+        out->rel_h[j] = rel;
+        out->rel16_h[j] = f16_mul(rel, 0x4c00u /* 16.0 */);
+        out->asum8_h[j] = get_f16(asum_p + 2 * j);
         out->rel[j] = f16_to_float(rel);
-        out->rel16[j] = f16_to_float(f16_mul(rel, 0x4c00u /* 16.0 */));
-        out->asum8[j] = f16_to_float(get_f16(asum_p + 2 * j));
+        out->rel16[j] = f16_to_float(out->rel16_h[j]);
+        out->asum8[j] = f16_to_float(out->asum8_h[j]);
         for (int i = 0; i < QK; i++) {
             const int8_t v = (int8_t)q_p[j][i];
             out->hi[j][dot_pos(i)] = (int8_t)(v >> 4); /* arithmetic shift, as the portable path */
@@ -266,6 +274,169 @@ X86_TARGET static void block8_m1(const uint8_t *b, const a_prep *prep, int64_t s
 }
 
 /* ------------------------------------------------------------------------------------------ */
+/* AVX-512 variant: VNNI int dots over 16 columns, native fp16 arithmetic (AVX512-FP16)
+ *
+ * Same arithmetic as block8(), 16 columns per vector: VPDPBUSD accumulates (u8 code x s8 a) sums
+ * of 4 straight into int32, and the .hp steps run on fp16 lanes (VMULPH / VADDPH round once to
+ * fp16, to nearest even with the MXCSR set by the caller of gemm_rows, subnormals and overflow
+ * to inf as IEEE says; VCVTDQ2PH rounds the int32 dot once to fp16). fp32 steps are VMULPS /
+ * VADDPS on 16 lanes, as block8's. The 4x4 dword transpose of 16 columns loaded as 4 zmm of 4
+ * consecutive columns leaves vector lane L = 4i + q holding column i + 4q; the fp16 scales are
+ * permuted into that order and the result permuted back on the store (the map is its own
+ * inverse). Used when the CPU has AVX512F/BW/VL, AVX512-VNNI and AVX512-FP16 and the OS saves
+ * ZMM state, unless NPU_IME2_X86_ISA=avx2 (a test and benchmark knob) asks for block8.
+ */
+#define X512_TARGET __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512fp16")))
+#define X512_INLINE \
+    static inline __attribute__((always_inline, target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512fp16")))
+
+/* XCR0 bits 5..7: the OS saves opmask and ZMM state. */
+static int os_saves_zmm(void)
+{
+    if (!os_saves_ymm())
+        return 0;
+    unsigned int xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    (void)xcr0_hi;
+    return (xcr0_lo & 0xe0u) == 0xe0u;
+}
+
+static int avx512_wanted(void)
+{
+    const char *isa = getenv("NPU_IME2_X86_ISA");
+    if (isa && strcmp(isa, "avx2") == 0)
+        return 0;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512fp16") && os_saves_zmm();
+}
+
+/* Lane L <-> column (L / 4) + 4 * (L % 4), both ways. */
+X512_INLINE __m512i lane_map32(void)
+{
+    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+X512_INLINE __m256i lane_map16(void)
+{
+    return _mm256_setr_epi16(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+/* Codes of 16 columns (p: code bytes of the first column) of one sub-block, lanes in the
+ * transposed column order: even[g] / odd[g] = codes of K 8g+{0,2,4,6} / 8g+{1,3,5,7}. */
+X512_INLINE void codes16(const uint8_t *p, __m512i even[4], __m512i odd[4])
+{
+    const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 64);
+    const __m512i z2 = _mm512_loadu_si512(p + 128), z3 = _mm512_loadu_si512(p + 192);
+    const __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
+    const __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
+    const __m512i g[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        even[i] = _mm512_and_si512(g[i], nib);
+        odd[i] = _mm512_and_si512(_mm512_srli_epi16(g[i], 4), nib);
+    }
+}
+
+X512_INLINE __m512i bcast32_512(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+X512_INLINE void dots16(const __m512i even[4], const __m512i odd[4], const a_prep *const ar[ROW_GROUP], const int R,
+                        int j, __m512i dhi[ROW_GROUP], __m512i dlo[ROW_GROUP])
+{
+    for (int r = 0; r < R; r++) {
+        dhi[r] = _mm512_setzero_si512();
+        dlo[r] = _mm512_setzero_si512();
+    }
+    for (int g = 0; g < 4; g++)
+        for (int r = 0; r < R; r++) {
+            const int8_t *h = ar[r]->hi[j] + 8 * g, *l = ar[r]->lo[j] + 8 * g;
+            dhi[r] = _mm512_dpbusd_epi32(dhi[r], even[g], bcast32_512(h));
+            dhi[r] = _mm512_dpbusd_epi32(dhi[r], odd[g], bcast32_512(h + 4));
+            dlo[r] = _mm512_dpbusd_epi32(dlo[r], even[g], bcast32_512(l));
+            dlo[r] = _mm512_dpbusd_epi32(dlo[r], odd[g], bcast32_512(l + 4));
+        }
+}
+
+X512_INLINE __m256h ph1(uint16_t bits) { return _mm256_castsi256_ph(_mm256_set1_epi16((short)bits)); }
+
+/* block8() for 16 columns (col16 = 0 or 16 within tile t); writes the first ncols of them. */
+X512_INLINE void block16(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                         const int R, int full, float *c, int64_t ldc, int ncols)
+{
+    __m512 acc[ROW_GROUP];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    const __m256i map16 = lane_map16();
+    for (int64_t s = 0; s < s_count; s++) {
+        const a_prep *ar[ROW_GROUP];
+        for (int r = 0; r < R; r++)
+            ar[r] = prep + r * s_count + s;
+        const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
+        __m256h d16[ROW_GROUP];
+        for (int r = 0; r < R; r++)
+            d16[r] = _mm256_setzero_ph();
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            const uint8_t *blk = sup + (size_t)j * B_BLOCK;
+            __m512i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
+            codes16(blk + B_SCALES + (QK / 2) * col16, even, odd);
+            dots16(even, odd, ar, R, j, dhi, dlo);
+            const __m256i d_bits =
+                _mm256_permutexvar_epi16(map16, _mm256_loadu_si256((const __m256i *)(blk + 2 * col16)));
+            if (full) {
+                const __m256h d = _mm256_castsi256_ph(d_bits);
+                const __m256h sc = _mm256_mul_ph(d, ph1(ar[0]->rel_h[j]));                   /* fp16(d * rel_j) */
+                const __m256h sc16 = R == ROW_GROUP ? _mm256_mul_ph(d, ph1(ar[0]->rel16_h[j])) /* m4 */
+                                                    : _mm256_mul_ph(sc, ph1(0x4c00u));          /* m1: sc * 16 */
+                for (int r = 0; r < R; r++) {
+                    const __m256h zp = _mm256_mul_ph(sc, ph1(ar[r]->asum8_h[j]));
+                    const __m512 zp32 = _mm512_cvtph_ps(_mm256_castph_si256(zp));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), zp32));
+                    d16[r] = _mm256_add_ph(d16[r], _mm256_mul_ph(_mm512_cvtepi32_ph(dhi[r]), sc16));
+                    d16[r] = _mm256_add_ph(d16[r], _mm256_mul_ph(_mm512_cvtepi32_ph(dlo[r]), sc));
+                }
+            } else {
+                const __m512 d = _mm512_cvtph_ps(d_bits);
+                for (int r = 0; r < R; r++) {
+                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
+                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
+                    const __m512 coef = _mm512_mul_ps(_mm512_set1_ps(sa_rel), d);
+                    const __m512 tt = _mm512_add_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(ar[r]->asum8[j]));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(coef, tt));
+                }
+            }
+        }
+        if (full)
+            for (int r = 0; r < R; r++) {
+                const __m512 d16_32 = _mm512_cvtph_ps(_mm256_castph_si256(d16[r]));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16_32));
+            }
+    }
+    const __m512i map32 = lane_map32();
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+}
+
+X512_TARGET static void block16_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                                   int full, float *c, int64_t ldc, int ncols)
+{
+    block16(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols);
+}
+
+X512_TARGET static void block16_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                                   int full, float *c, int64_t ldc, int ncols)
+{
+    block16(b, prep, s_count, t, col16, 1, full, c, ldc, ncols);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* The path */
 
 #define MXCSR_DAZ 0x0040u
@@ -273,8 +444,9 @@ X86_TARGET static void block8_m1(const uint8_t *b, const a_prep *prep, int64_t s
 #define MXCSR_FTZ 0x8000u
 #define MXCSR_FLAGS 0x003fu
 
+/* wide: the AVX-512 variant (block16), else AVX2 (block8). */
 X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
-                                 float *c, a_prep *prep)
+                                 float *c, a_prep *prep, int wide)
 {
     const int64_t s_count = ceil_div(k, SUPERBLOCK_K);
     const int64_t t_count = ceil_div(n, TILE_N);
@@ -289,13 +461,18 @@ X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packe
             const int64_t col0 = t * TILE_N;
             const int full = col0 + TILE_N <= n_full;
             const int ncols = full ? TILE_N : (int)(n - col0);
-            for (int col8 = 0; col8 < ncols; col8 += 8) {
-                const int w = ncols - col8 < 8 ? ncols - col8 : 8;
-                float *cp = c + row0 * n + col0 + col8;
-                if (rows == ROW_GROUP)
-                    block8_m4(b_packed, prep, s_count, t, col8, full, cp, n, w);
+            const int step = wide ? 16 : 8;
+            for (int cb = 0; cb < ncols; cb += step) {
+                const int w = ncols - cb < step ? ncols - cb : step;
+                float *cp = c + row0 * n + col0 + cb;
+                if (wide && rows == ROW_GROUP)
+                    block16_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else if (wide)
+                    block16_m1(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else if (rows == ROW_GROUP)
+                    block8_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
                 else
-                    block8_m1(b_packed, prep, s_count, t, col8, full, cp, n, w);
+                    block8_m1(b_packed, prep, s_count, t, cb, full, cp, n, w);
             }
         }
         row0 += rows;
@@ -315,7 +492,7 @@ npu_ime2_status npu_ime2_gemm_x86(const uint8_t *a_packed, const uint8_t *b_pack
         return NPU_IME2_ERR_NO_MEMORY;
     const unsigned int csr = _mm_getcsr();
     _mm_setcsr(csr & ~(MXCSR_DAZ | MXCSR_FTZ | MXCSR_RC)); /* no flushing, round to nearest even */
-    gemm_rows(a_packed, b_packed, m, k, n, c, prep);
+    gemm_rows(a_packed, b_packed, m, k, n, c, prep, avx512_wanted());
     _mm_setcsr(csr | (_mm_getcsr() & MXCSR_FLAGS));
     free(prep);
     return NPU_IME2_OK;
