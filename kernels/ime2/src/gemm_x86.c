@@ -62,10 +62,29 @@ static int os_saves_ymm(void)
     return (xcr0_lo & 6u) == 6u;
 }
 
-int npu_ime2_x86_usable(void)
+/* CPUID and XGETBV can trap to the hypervisor in a VM (microseconds each), so the checks run
+ * once and their answers are cached: 0 = not checked yet, 1 = no, 2 = yes. The answer never
+ * changes during a process, so racing first callers only repeat the check. */
+static int cached_check(int *cache, int (*check)(void))
+{
+    int v = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (v == 0) {
+        v = check() ? 2 : 1;
+        __atomic_store_n(cache, v, __ATOMIC_RELAXED);
+    }
+    return v == 2;
+}
+
+static int x86_check(void)
 {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && os_saves_ymm();
+}
+
+int npu_ime2_x86_usable(void)
+{
+    static int cache;
+    return cached_check(&cache, x86_check);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -301,15 +320,22 @@ static int os_saves_zmm(void)
     return (xcr0_lo & 0xe0u) == 0xe0u;
 }
 
-static int avx512_wanted(void)
+static int avx512_check(void)
 {
-    const char *isa = getenv("NPU_IME2_X86_ISA");
-    if (isa && strcmp(isa, "avx2") == 0)
-        return 0;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
            __builtin_cpu_supports("avx512fp16") && os_saves_zmm();
+}
+
+/* The environment is read on every call (so that a test can switch variants). */
+static int avx512_wanted(void)
+{
+    static int cache;
+    const char *isa = getenv("NPU_IME2_X86_ISA");
+    if (isa && strcmp(isa, "avx2") == 0)
+        return 0;
+    return cached_check(&cache, avx512_check);
 }
 
 /* Lane L <-> column (L / 4) + 4 * (L % 4), both ways. */
