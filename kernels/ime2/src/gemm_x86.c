@@ -31,8 +31,8 @@
  * VPMADDWD by 1 makes the int32 dot of 8 columns, in column order, with no horizontal reduction.
  * A 4-row group shares the transposed codes.
  *
- * Single-threaded, reentrant; the only state is a per-call workspace of 4 * ceil(K/256) * 616
- * bytes (the re-laid activations of one row group).
+ * Single-threaded and reentrant: a per-call workspace of 4 * ceil(K/256) * sizeof(a_prep) bytes
+ * (about 660: the re-laid activations of one row group), plus the cached CPU-feature answers.
  */
 #include <cpuid.h>
 #include <immintrin.h>
