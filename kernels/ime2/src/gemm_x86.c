@@ -17,8 +17,8 @@
  * fp32 steps of the model are plain fp32 vector multiplies and adds, one rounding each (this file
  * never asks for FMA, and the build has -ffp-contract=off). MXCSR: FTZ/DAZ set by a caller (e.g.
  * torch.set_flush_denormal(True)) must not change a result, so the call runs with FTZ and DAZ
- * clear and rounding to nearest, then restores the caller's MXCSR (sticky flags raised during
- * the call are kept).
+ * clear, rounding to nearest and exceptions masked, then restores the caller's MXCSR (sticky
+ * flags raised during the call are kept).
  *
  * Int dots. Per K32 sub-block j and column, dot_hi = sum(a_hi * code) and dot_lo = sum(a_lo *
  * code), a_hi = a >> 4 (signed -8..7), a_lo = a & 15, code = the unsigned nibble 0..15. A column's
@@ -468,7 +468,8 @@ X512_TARGET static void block16_m1(const uint8_t *b, const a_prep *prep, int64_t
 #define MXCSR_DAZ 0x0040u
 #define MXCSR_RC 0x6000u
 #define MXCSR_FTZ 0x8000u
-#define MXCSR_FLAGS 0x003fu
+#define MXCSR_FLAGS 0x003fu /* sticky exception flags */
+#define MXCSR_MASKS 0x1f80u /* exception masks */
 
 /* wide: the AVX-512 variant (block16), else AVX2 (block8). */
 X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
@@ -517,7 +518,9 @@ npu_ime2_status npu_ime2_gemm_x86(const uint8_t *a_packed, const uint8_t *b_pack
     if (!prep)
         return NPU_IME2_ERR_NO_MEMORY;
     const unsigned int csr = _mm_getcsr();
-    _mm_setcsr(csr & ~(MXCSR_DAZ | MXCSR_FTZ | MXCSR_RC)); /* no flushing, round to nearest even */
+    /* no flushing, round to nearest even, all exceptions masked (inf * 0 and overflow are results
+     * here, never traps) */
+    _mm_setcsr((csr & ~(MXCSR_DAZ | MXCSR_FTZ | MXCSR_RC)) | MXCSR_MASKS);
     gemm_rows(a_packed, b_packed, m, k, n, c, prep, avx512_wanted());
     _mm_setcsr(csr | (_mm_getcsr() & MXCSR_FLAGS));
     free(prep);
