@@ -15,6 +15,11 @@ quantized weights (random codes, fp16-representable scales), prepared once per s
 * ``c_portable``: the host C kernel as the seed's table times it (weights packed once):
   ``pack_b`` once, then per call ``quantize_a(A)`` + ``gemm_packed(..., path="portable")``.
   ``c_quantize_a`` and ``c_gemm_only`` time those two halves separately.
+* ``c_x86``: the same with ``path="x86"`` (skipped where the CPU lacks AVX2 + F16C), the best
+  variant for this CPU (AVX-512 VNNI + FP16 where present), and ``c_x86_gemm_only`` its GEMM
+  half; ``c_x86_avx2``: the X86 path's AVX2 + F16C variant (``NPU_IME2_X86_ISA=avx2``). ``c_auto``: the same with ``path="auto"``, the best host
+  path the library picks (what ``ime2_hp_gemm_cpu`` and the torch op run); the floor is checked
+  on it.
 * ``ort_1t`` (the headline peer) / ``ort_2t``: ONNX Runtime ``com.microsoft::MatMulNBits``
   (bits 4, block_size 32, no zero points -> zero point 8, default accuracy_level), one CPU
   InferenceSession per shape with ``intra_op_num_threads`` 1 / 2. Our ``qweight [N, K/32, 16]``
@@ -47,7 +52,11 @@ SEED_SHAPES = {
     (2048, 11008): "Qwen2.5 3B",
 }
 MS = (1, 4)
-IMPLS = ("npusim_exact", "c_portable", "c_quantize_a", "c_gemm_only", "ort_1t", "ort_2t")
+IMPLS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_quantize_a", "c_gemm_only",
+         "c_x86_gemm_only", "ort_1t", "ort_2t")
+#: impl -> the C path it runs
+C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86": "x86", "c_auto": "auto",
+           "c_gemm_only": "portable", "c_x86_gemm_only": "x86"}
 
 
 def _weights(k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -100,22 +109,29 @@ def _call(impl: str, ctx: dict, a: np.ndarray):
     k, n, m = ctx["k"], ctx["n"], a.shape[0]
     if impl == "npusim_exact":
         return q.ime2_hp_gemm_prepared, (a, ctx["w"])
-    if impl == "c_portable":
+    path = C_PATHS.get(impl)
+    if path is not None and path != "auto" and path not in kernel.usable_paths():
+        pytest.skip(f"path {path!r} does not run on this CPU")
+    if impl in ("c_portable", "c_x86_avx2", "c_x86", "c_auto"):
         b = ctx["b_packed"]
-        return (lambda x: kernel.gemm_packed(kernel.quantize_a(x), b, m, k, n, path="portable")), (a,)
+        return (lambda x: kernel.gemm_packed(kernel.quantize_a(x), b, m, k, n, path=path)), (a,)
     if impl == "c_quantize_a":
         return kernel.quantize_a, (a,)
-    if impl == "c_gemm_only":
+    if impl in ("c_gemm_only", "c_x86_gemm_only"):
         b, ap = ctx["b_packed"], kernel.quantize_a(a)
-        return (lambda: kernel.gemm_packed(ap, b, m, k, n, path="portable")), ()
+        return (lambda: kernel.gemm_packed(ap, b, m, k, n, path=path)), ()
     sess = ctx[impl]
     return (lambda x: sess.run(None, {"A": x})[0]), (a,)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("m", MS)
-def test_ime2_gemm(benchmark, shape_ctx, m, impl):
+def test_ime2_gemm(benchmark, shape_ctx, m, impl, monkeypatch):
     k, n = shape_ctx["k"], shape_ctx["n"]
+    if impl == "c_x86_avx2":
+        monkeypatch.setenv("NPU_IME2_X86_ISA", "avx2")  # the X86 path's AVX2 variant
+    else:
+        monkeypatch.delenv("NPU_IME2_X86_ISA", raising=False)
     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)
     fn, args = _call(impl, shape_ctx, a)
     out = fn(*args)  # warm-up and correctness, untimed
@@ -126,5 +142,5 @@ def test_ime2_gemm(benchmark, shape_ctx, m, impl):
         assert err <= MUL_MAT_NMSE, f"{impl}: NMSE {err:.3e} against A @ dequant(W).T > {MUL_MAT_NMSE}"
     benchmark.group = f"K={k} N={n} M={m}"
     benchmark.extra_info.update(impl=impl, K=k, N=n, M=m, models=SEED_SHAPES[(k, n)],
-                                ort_version=ort.__version__)
+                                ort_version=ort.__version__, auto_path=kernel.auto_path())
     benchmark(fn, *args)

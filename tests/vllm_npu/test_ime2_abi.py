@@ -71,9 +71,11 @@ def test_outputs_fill_exactly_their_buffers(lib, m, k, n):
     assert ao.guards_intact() and ao.body.tobytes() == q.pack_a(q.quantize_a(a))
 
     hw = q.ime2_hp_gemm(a, qw, sc, level="hardware")
-    co = Guarded(m * n * 4)
-    assert lib.npu_ime2_gemm(ao.ptr, a_size, bo.ptr, b_size, m, k, n, co.ptr, m * n * 4, 0) == Status.OK
-    assert co.guards_intact() and np.array_equal(co.body.view(np.float32).reshape(m, n), hw, equal_nan=True)
+    for path in ["auto", *kernel.usable_paths()]:  # every path this CPU runs, each in its own guarded buffer
+        co = Guarded(m * n * 4)
+        assert lib.npu_ime2_gemm(ao.ptr, a_size, bo.ptr, b_size, m, k, n, co.ptr, m * n * 4,
+                                 kernel.PATHS[path]) == Status.OK, path
+        assert co.guards_intact() and np.array_equal(co.body.view(np.float32).reshape(m, n), hw, equal_nan=True), path
 
     co2 = Guarded(m * n * 4)
     assert lib.npu_ime2_hp_gemm(ptr(a), ptr(qw), ptr(sc), m, k, n, co2.ptr, m * n * 4) == Status.OK

@@ -63,12 +63,42 @@ def assert_bit_exact(c: np.ndarray, ref: np.ndarray) -> None:
     )
 
 
+def assert_same_bits(c: np.ndarray, ref: np.ndarray, what: str) -> None:
+    """Identical float32 bit patterns (NaN payloads and signed zeros included)."""
+    assert c.dtype == ref.dtype == np.float32 and c.shape == ref.shape
+    diff = c.view(np.uint32) != ref.view(np.uint32)
+    assert not diff.any(), f"{what}: {int(diff.sum())} of {c.size} values differ; first at {tuple(np.argwhere(diff)[0])}"
+
+
+def check_paths(ap: bytes, bp: bytes, m: int, k: int, n: int, hw: np.ndarray) -> None:
+    """Every path this library can run here (kernel.usable_paths()) on the packed operands: equal
+    to npusim hardware bit for bit, and to the portable path bit pattern for bit pattern."""
+    paths = kernel.usable_paths()
+    assert "portable" in paths
+    portable = kernel.gemm_packed(ap, bp, m, k, n, path="portable")
+    assert_bit_exact(portable, hw)
+    for path in paths:
+        c = kernel.gemm_packed(ap, bp, m, k, n, path=path)
+        assert_bit_exact(c, hw)
+        assert_same_bits(c, portable, f"path {path!r} vs portable")
+    if "x86" in paths:  # the X86 path's AVX2 variant too (the best one for this CPU ran above)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("NPU_IME2_X86_ISA", "avx2")
+            assert_same_bits(kernel.gemm_packed(ap, bp, m, k, n, path="x86"), portable, "x86 (AVX2) vs portable")
+
+
 def check_agreement(a: np.ndarray, qw: np.ndarray, sc: np.ndarray) -> np.ndarray:
-    """C == npusim hardware bit for bit, and the packed bytes are identical. Returns C."""
-    assert kernel.pack_b(qw, sc) == q.pack_b(qw, sc)
-    assert kernel.quantize_a(a) == q.pack_a(q.quantize_a(a))
+    """C == npusim hardware bit for bit on the whole op (AUTO) and on every usable path, and the
+    packed bytes are identical. Returns C."""
+    bp = kernel.pack_b(qw, sc)
+    ap = kernel.quantize_a(a)
+    assert bp == q.pack_b(qw, sc)
+    assert ap == q.pack_a(q.quantize_a(a))
     c = kernel.ime2_hp_gemm_cpu(a, qw, sc)
-    assert_bit_exact(c, q.ime2_hp_gemm(a, qw, sc, level="hardware"))
+    hw = q.ime2_hp_gemm(a, qw, sc, level="hardware")
+    assert_bit_exact(c, hw)
+    if a.shape[0]:
+        check_paths(ap, bp, a.shape[0], a.shape[1], qw.shape[0], hw)
     return c
 
 
@@ -101,9 +131,8 @@ def test_c_and_numpy_hardware_vs_float_reference(seed, m, k, n, adist, wdist):
     w = rng.uniform(-1, 1, (n, k)) if wdist == "uniform" else rng.standard_normal((n, k)) * 0.02
     qw, sc = q.quantize_q4_0(w.astype(np.float32))
     ref = float_reference(a, qw, sc)
-    c = kernel.ime2_hp_gemm_cpu(a, qw, sc)
+    c = check_agreement(a, qw, sc)
     hw = q.ime2_hp_gemm(a, qw, sc, level="hardware")
-    assert_bit_exact(c, hw)
     assert q.nmse(ref, c) <= MUL_MAT_NMSE
     assert q.nmse(ref, hw) <= MUL_MAT_NMSE
 
@@ -114,11 +143,13 @@ def test_seed_gemm_shapes_at_m_1_4_5(k, n):
     qw, sc = random_quantized(rng, n, k)
     w = q.prepare_weight(qw, sc)
     wdeq = w.w_deq
+    bp = kernel.pack_b(qw, sc)
     for m in (1, 4, 5):
         a = activations(rng, m, k, "uniform")
         c = kernel.ime2_hp_gemm_cpu(a, qw, sc)
         hw = q.ime2_hp_gemm_prepared(a, w, level="hardware")
         assert_bit_exact(c, hw)
+        check_paths(kernel.quantize_a(a), bp, m, k, n, hw)
         ref = a.astype(np.float64) @ wdeq.T
         assert q.nmse(ref, c) <= MUL_MAT_NMSE
         assert q.nmse(ref, hw) <= MUL_MAT_NMSE
@@ -183,7 +214,7 @@ def test_gemm_on_packed_operands_and_paths(m):
     a = activations(rng, m, k)
     ap, bp = kernel.quantize_a(a), kernel.pack_b(qw, sc)
     hw = q.ime2_hp_gemm(a, qw, sc, level="hardware")
-    for path in ("auto", "portable"):
+    for path in ["auto", *kernel.usable_paths()]:
         assert_bit_exact(kernel.gemm_packed(ap, bp, m, k, n, path=path), hw)
     for path in ("rvv", "ime2"):  # riscv64 builds only: never in the host library
         with pytest.raises(kernel.PathError, match="not built"):

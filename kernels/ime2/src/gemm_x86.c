@@ -1,0 +1,528 @@
+/*
+ * gemm_x86.c - the X86 GEMM path: AVX2 + F16C, the same results as gemm_portable.c bit for bit.
+ * Where the CPU also has AVX-512 (F, BW, VL, VNNI, FP16) a 16-column variant runs instead (see
+ * block16 below); NPU_IME2_X86_ISA=avx2 in the environment forces the AVX2 one (tests, benchmarks).
+ * Both are built with per-function target attributes: the library needs no -m flags and loads on
+ * any x86-64; npu_ime2_x86_usable() and the variant choice check the CPU at run time.
+ *
+ * Arithmetic (see the top of gemm_portable.c for the sequence the model rounds): every fp16
+ * rounding is done as fp32 -> fp16 -> fp32 with VCVTPS2PH (immediate rounding: to nearest even,
+ * fp16 subnormals kept, beyond 65504 -> +/-inf) and VCVTPH2PS (exact). The fp32 value that gets
+ * rounded is always the exact value or rounds like it:
+ *   - a product of two fp16 values has at most 22 significant bits and lies in [2**-48, 2**32]:
+ *     exact in fp32;
+ *   - a sum of two fp16 values computed in fp32 (24 bits) then rounded to fp16 (11 bits) equals
+ *     the directly rounded sum, since 24 >= 2 * 11 + 2 (double rounding is innocuous);
+ *   - the int dots are |x| <= 7200: exact in fp32.
+ * fp32 steps of the model are plain fp32 vector multiplies and adds, one rounding each (this file
+ * never asks for FMA, and the build has -ffp-contract=off). MXCSR: FTZ/DAZ set by a caller (e.g.
+ * torch.set_flush_denormal(True)) must not change a result, so the call runs with FTZ and DAZ
+ * clear, rounding to nearest and exceptions masked, then restores the caller's MXCSR (sticky
+ * flags raised during the call are kept).
+ *
+ * Int dots. Per K32 sub-block j and column, dot_hi = sum(a_hi * code) and dot_lo = sum(a_lo *
+ * code), a_hi = a >> 4 (signed -8..7), a_lo = a & 15, code = the unsigned nibble 0..15. A column's
+ * 16 code bytes in a B block are 4 dwords; dword g holds K 8g .. 8g+7 (low nibble = even K, high
+ * nibble = odd K). A 4x4 dword transpose of 8 columns gives, per g, one ymm holding dword g of
+ * columns 0..7; masking it (& 0x0f) gives the even-K codes, shifting it (>> 4, & 0x0f) the odd-K
+ * codes, 4 per column. The activations are re-laid once per row group (a_prep) so that one
+ * broadcast dword holds the 4 matching a values; VPMADDUBSW (u8 code x s8 a) then gives 16-bit
+ * pair sums per column, 8 of which (|sum| <= 16 * 15 * 15 = 3600) add up in 16 bits before one
+ * VPMADDWD by 1 makes the int32 dot of 8 columns, in column order, with no horizontal reduction.
+ * A 4-row group shares the transposed codes.
+ *
+ * Single-threaded and reentrant: a per-call workspace of 4 * ceil(K/256) * sizeof(a_prep) bytes
+ * (about 660: the re-laid activations of one row group), plus the cached CPU-feature answers.
+ */
+#include <cpuid.h>
+#include <immintrin.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fp16.h"
+#include "internal.h"
+
+#define X86_TARGET __attribute__((target("avx2,f16c")))
+#define X86_INLINE static inline __attribute__((always_inline, target("avx2,f16c")))
+
+/* ------------------------------------------------------------------------------------------ */
+/* CPU check */
+
+/* XCR0 bits 1 and 2: the OS saves SSE and AVX (YMM upper halves) state on context switches. */
+static int os_saves_ymm(void)
+{
+    unsigned int eax, ebx, ecx, edx;
+    if (!__get_cpuid(1, &eax, &ebx, &ecx, &edx))
+        return 0;
+    if (!(ecx & bit_OSXSAVE))
+        return 0;
+    unsigned int xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    (void)xcr0_hi;
+    return (xcr0_lo & 6u) == 6u;
+}
+
+/* CPUID and XGETBV can trap to the hypervisor in a VM (microseconds each), so the checks run
+ * once and their answers are cached: 0 = not checked yet, 1 = no, 2 = yes. The answer never
+ * changes during a process, so racing first callers only repeat the check. */
+static int cached_check(int *cache, int (*check)(void))
+{
+    int v = __atomic_load_n(cache, __ATOMIC_RELAXED);
+    if (v == 0) {
+        v = check() ? 2 : 1;
+        __atomic_store_n(cache, v, __ATOMIC_RELAXED);
+    }
+    return v == 2;
+}
+
+static int x86_check(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c") && os_saves_ymm();
+}
+
+int npu_ime2_x86_usable(void)
+{
+    static int cache;
+    return cached_check(&cache, x86_check);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Activations, re-laid once per row group */
+
+/* One row's superblock. hi/lo[j]: the 32 a_hi / a_lo of sub-block j in dot order: for
+ * g = 0..3, the dword of K 8g, 8g+2, 8g+4, 8g+6 (even) then of K 8g+1, 8g+3, 8g+5, 8g+7 (odd). */
+typedef struct {
+    int8_t hi[SUBBLOCKS][QK];
+    int8_t lo[SUBBLOCKS][QK];
+    float rel[SUBBLOCKS];   /* fp16 rel_j, exact */
+    float rel16[SUBBLOCKS]; /* fp16(rel_j * 16) */
+    float asum8[SUBBLOCKS]; /* fp16 asum8_j of this row */
+    float sa;               /* fp16 scale_avg */
+    uint16_t rel_h[SUBBLOCKS], rel16_h[SUBBLOCKS], asum8_h[SUBBLOCKS]; /* the same as fp16 bits */
+} a_prep;
+
+static inline f16_t get_f16(const uint8_t *p) { return (f16_t)(p[0] | (p[1] << 8)); }
+
+/* Position of K index i (0..31) of a sub-block in a_prep.hi/lo. */
+static inline int dot_pos(int i) { return (i / 8) * 8 + (i & 1) * 4 + ((i % 8) >> 1); }
+
+/* Same byte offsets as load_a() in gemm_portable.c. */
+static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s, int64_t s_count, a_prep *out)
+{
+    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
+    const uint8_t *rel_p[SUBBLOCKS], *q_p[SUBBLOCKS], *asum_p, *sa_p;
+    if (row < grouped_rows) {
+        const int r = (int)(row % ROW_GROUP);
+        const uint8_t *blk = a_packed + (size_t)((row - r) * s_count * A_ROW) + (size_t)s * A_GROUP;
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            rel_p[j] = blk + A_GROUP_STRIDE * j;
+            q_p[j] = blk + A_GROUP_STRIDE * j + 8 + QK * r;
+        }
+        asum_p = blk + A_GROUP_ASUM + 16 * r;
+        sa_p = blk + A_GROUP_SA;
+    } else {
+        const uint8_t *blk = a_packed + (size_t)(row * s_count * A_ROW) + (size_t)s * A_ROW;
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            rel_p[j] = blk + A_ROW_STRIDE * j;
+            q_p[j] = blk + A_ROW_STRIDE * j + 2;
+        }
+        asum_p = blk + A_ROW_ASUM;
+        sa_p = blk + A_ROW_SA;
+    }
+    for (int j = 0; j < SUBBLOCKS; j++) {
+        const f16_t rel = get_f16(rel_p[j]);
+        out->rel_h[j] = rel;
+        out->rel16_h[j] = f16_mul(rel, 0x4c00u /* 16.0 */);
+        out->asum8_h[j] = get_f16(asum_p + 2 * j);
+        out->rel[j] = f16_to_float(rel);
+        out->rel16[j] = f16_to_float(out->rel16_h[j]);
+        out->asum8[j] = f16_to_float(out->asum8_h[j]);
+        for (int i = 0; i < QK; i++) {
+            const int8_t v = (int8_t)q_p[j][i];
+            out->hi[j][dot_pos(i)] = (int8_t)(v >> 4); /* arithmetic shift, as the portable path */
+            out->lo[j][dot_pos(i)] = (int8_t)(v & 15);
+        }
+    }
+    out->sa = f16_to_float(get_f16(sa_p));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* Vector pieces */
+
+/* fp32 -> nearest fp16 (RNE, subnormals, overflow to inf) -> fp32. */
+X86_INLINE __m256 r16(__m256 x) { return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+X86_INLINE __m256i load_2x128(const uint8_t *lo, const uint8_t *hi)
+{
+    const __m256i v = _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)lo));
+    return _mm256_inserti128_si256(v, _mm_loadu_si128((const __m128i *)hi), 1);
+}
+
+X86_INLINE __m256i bcast32(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm256_set1_epi32(v);
+}
+
+/* Codes of 8 columns (code bytes of column 0 at p, 16 bytes per column) for one sub-block:
+ * even[g] / odd[g] hold, per column c (dword c), the codes of K 8g+{0,2,4,6} / 8g+{1,3,5,7}. */
+X86_INLINE void codes8(const uint8_t *p, __m256i even[4], __m256i odd[4])
+{
+    const __m256i r0 = load_2x128(p + 0 * 16, p + 4 * 16);
+    const __m256i r1 = load_2x128(p + 1 * 16, p + 5 * 16);
+    const __m256i r2 = load_2x128(p + 2 * 16, p + 6 * 16);
+    const __m256i r3 = load_2x128(p + 3 * 16, p + 7 * 16);
+    const __m256i t0 = _mm256_unpacklo_epi32(r0, r1); /* c0g0 c1g0 c0g1 c1g1 | c4.. c5.. */
+    const __m256i t1 = _mm256_unpackhi_epi32(r0, r1); /* c0g2 c1g2 c0g3 c1g3 | ... */
+    const __m256i t2 = _mm256_unpacklo_epi32(r2, r3);
+    const __m256i t3 = _mm256_unpackhi_epi32(r2, r3);
+    const __m256i g[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                          _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
+    const __m256i nib = _mm256_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        even[i] = _mm256_and_si256(g[i], nib);
+        odd[i] = _mm256_and_si256(_mm256_srli_epi16(g[i], 4), nib);
+    }
+}
+
+/* dot_hi and dot_lo (int32, columns 0..7 in order) of R rows for one sub-block j. */
+X86_INLINE void dots8(const __m256i even[4], const __m256i odd[4], const a_prep *const ar[ROW_GROUP], const int R,
+                      int j, __m256i dhi[ROW_GROUP], __m256i dlo[ROW_GROUP])
+{
+    __m256i sh[ROW_GROUP], sl[ROW_GROUP]; /* 16-bit sums, |x| <= 3600 */
+    for (int r = 0; r < R; r++) {
+        sh[r] = _mm256_setzero_si256();
+        sl[r] = _mm256_setzero_si256();
+    }
+    for (int g = 0; g < 4; g++)
+        for (int r = 0; r < R; r++) {
+            const int8_t *h = ar[r]->hi[j] + 8 * g, *l = ar[r]->lo[j] + 8 * g;
+            sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(even[g], bcast32(h)));
+            sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(odd[g], bcast32(h + 4)));
+            sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(even[g], bcast32(l)));
+            sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(odd[g], bcast32(l + 4)));
+        }
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < R; r++) {
+        dhi[r] = _mm256_madd_epi16(sh[r], ones);
+        dlo[r] = _mm256_madd_epi16(sl[r], ones);
+    }
+}
+
+/*
+ * 8 columns (col8 = first column within tile t) x R rows (R = 4: a row group, the m4 rules;
+ * R = 1: a lone row, the m1 rules) over all superblocks; writes the first `ncols` columns of the
+ * result. full: the tile is a full 32-column tile (.hp arithmetic), else the scalar tail's.
+ */
+X86_INLINE void block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col8,
+                       const int R, int full, float *c, int64_t ldc, int ncols)
+{
+    __m256 acc[ROW_GROUP];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm256_setzero_ps();
+    const __m256 sixteen = _mm256_set1_ps(16.0f);
+    for (int64_t s = 0; s < s_count; s++) {
+        const a_prep *ar[ROW_GROUP];
+        for (int r = 0; r < R; r++)
+            ar[r] = prep + r * s_count + s;
+        const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
+        __m256 d16[ROW_GROUP]; /* fp16 values */
+        for (int r = 0; r < R; r++)
+            d16[r] = _mm256_setzero_ps();
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            const uint8_t *blk = sup + (size_t)j * B_BLOCK;
+            __m256i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
+            codes8(blk + B_SCALES + (QK / 2) * col8, even, odd);
+            dots8(even, odd, ar, R, j, dhi, dlo);
+            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * col8)));
+            if (full) {
+                /* a row group shares rel_j: sc and sc16 are the same for its rows */
+                const __m256 sc = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel[j])));
+                const __m256 sc16 = R == ROW_GROUP ? r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel16[j]))) /* m4 */
+                                                   : r16(_mm256_mul_ps(sc, sixteen));                     /* m1 */
+                for (int r = 0; r < R; r++) {
+                    /* acc = fp32(acc + sa * zp_j), zp_j = fp16(sc * asum8_j); the product is exact */
+                    const __m256 zp = r16(_mm256_mul_ps(sc, _mm256_set1_ps(ar[r]->asum8[j])));
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), zp));
+                    /* vmadotsu.hp: d16 = fp16(d16 + fp16(fp16(dot_hi) * sc16)) */
+                    const __m256 h = r16(_mm256_cvtepi32_ps(dhi[r]));
+                    d16[r] = r16(_mm256_add_ps(d16[r], r16(_mm256_mul_ps(h, sc16))));
+                    /* vmadotu.hp: d16 = fp16(d16 + fp16(fp16(dot_lo) * sc)) */
+                    const __m256 l = r16(_mm256_cvtepi32_ps(dlo[r]));
+                    d16[r] = r16(_mm256_add_ps(d16[r], r16(_mm256_mul_ps(l, sc))));
+                }
+            } else {
+                for (int r = 0; r < R; r++) {
+                    /* acc = fp32(acc + fp32(fp32(fp32(sa * rel_j) * d) * fp32(dot + asum8_j))),
+                     * dot = 16 * dot_hi + dot_lo (exact) */
+                    const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dhi[r], 4), dlo[r]);
+                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
+                    const __m256 coef = _mm256_mul_ps(_mm256_set1_ps(sa_rel), d);
+                    const __m256 tt = _mm256_add_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ar[r]->asum8[j]));
+                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(coef, tt));
+                }
+            }
+        }
+        if (full)
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), d16[r]));
+    }
+    for (int r = 0; r < R; r++) {
+        if (ncols == 8) {
+            _mm256_storeu_ps(c + r * ldc, acc[r]);
+        } else {
+            float tmp[8];
+            _mm256_storeu_ps(tmp, acc[r]);
+            memcpy(c + r * ldc, tmp, sizeof(float) * (size_t)ncols);
+        }
+    }
+}
+
+X86_TARGET static void block8_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col8, int full,
+                                 float *c, int64_t ldc, int ncols)
+{
+    block8(b, prep, s_count, t, col8, ROW_GROUP, full, c, ldc, ncols);
+}
+
+X86_TARGET static void block8_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col8, int full,
+                                 float *c, int64_t ldc, int ncols)
+{
+    block8(b, prep, s_count, t, col8, 1, full, c, ldc, ncols);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* AVX-512 variant: VNNI int dots over 16 columns, native fp16 arithmetic (AVX512-FP16)
+ *
+ * Same arithmetic as block8(), 16 columns per vector: VPDPBUSD accumulates (u8 code x s8 a) sums
+ * of 4 straight into int32, and the .hp steps run on fp16 lanes (VMULPH / VADDPH round once to
+ * fp16, to nearest even with the MXCSR set by the caller of gemm_rows, subnormals and overflow
+ * to inf as IEEE says; VCVTDQ2PH rounds the int32 dot once to fp16). fp32 steps are VMULPS /
+ * VADDPS on 16 lanes, as block8's. The 4x4 dword transpose of 16 columns loaded as 4 zmm of 4
+ * consecutive columns leaves vector lane L = 4i + q holding column i + 4q; the fp16 scales are
+ * permuted into that order and the result permuted back on the store (the map is its own
+ * inverse). Used when the CPU has AVX512F/BW/VL, AVX512-VNNI and AVX512-FP16 and the OS saves
+ * ZMM state, unless NPU_IME2_X86_ISA=avx2 (a test and benchmark knob) asks for block8.
+ */
+#define X512_TARGET __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512fp16")))
+#define X512_INLINE \
+    static inline __attribute__((always_inline, target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512fp16")))
+
+/* XCR0 bits 5..7: the OS saves opmask and ZMM state. */
+static int os_saves_zmm(void)
+{
+    if (!os_saves_ymm())
+        return 0;
+    unsigned int xcr0_lo, xcr0_hi;
+    __asm__ volatile("xgetbv" : "=a"(xcr0_lo), "=d"(xcr0_hi) : "c"(0));
+    (void)xcr0_hi;
+    return (xcr0_lo & 0xe0u) == 0xe0u;
+}
+
+static int avx512_check(void)
+{
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+           __builtin_cpu_supports("avx512fp16") && os_saves_zmm();
+}
+
+/* The environment is read on every call (so that a test can switch variants). */
+static int avx512_wanted(void)
+{
+    static int cache;
+    const char *isa = getenv("NPU_IME2_X86_ISA");
+    if (isa && strcmp(isa, "avx2") == 0)
+        return 0;
+    return cached_check(&cache, avx512_check);
+}
+
+/* Lane L <-> column (L / 4) + 4 * (L % 4), both ways. */
+X512_INLINE __m512i lane_map32(void)
+{
+    return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+X512_INLINE __m256i lane_map16(void)
+{
+    return _mm256_setr_epi16(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+}
+
+/* Codes of 16 columns (p: code bytes of the first column) of one sub-block, lanes in the
+ * transposed column order: even[g] / odd[g] = codes of K 8g+{0,2,4,6} / 8g+{1,3,5,7}. */
+X512_INLINE void codes16(const uint8_t *p, __m512i even[4], __m512i odd[4])
+{
+    const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 64);
+    const __m512i z2 = _mm512_loadu_si512(p + 128), z3 = _mm512_loadu_si512(p + 192);
+    const __m512i t0 = _mm512_unpacklo_epi32(z0, z1), t1 = _mm512_unpackhi_epi32(z0, z1);
+    const __m512i t2 = _mm512_unpacklo_epi32(z2, z3), t3 = _mm512_unpackhi_epi32(z2, z3);
+    const __m512i g[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                          _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+    const __m512i nib = _mm512_set1_epi8(0x0f);
+    for (int i = 0; i < 4; i++) {
+        even[i] = _mm512_and_si512(g[i], nib);
+        odd[i] = _mm512_and_si512(_mm512_srli_epi16(g[i], 4), nib);
+    }
+}
+
+X512_INLINE __m512i bcast32_512(const int8_t *p)
+{
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return _mm512_set1_epi32(v);
+}
+
+X512_INLINE void dots16(const __m512i even[4], const __m512i odd[4], const a_prep *const ar[ROW_GROUP], const int R,
+                        int j, __m512i dhi[ROW_GROUP], __m512i dlo[ROW_GROUP])
+{
+    for (int r = 0; r < R; r++) {
+        dhi[r] = _mm512_setzero_si512();
+        dlo[r] = _mm512_setzero_si512();
+    }
+    for (int g = 0; g < 4; g++)
+        for (int r = 0; r < R; r++) {
+            const int8_t *h = ar[r]->hi[j] + 8 * g, *l = ar[r]->lo[j] + 8 * g;
+            dhi[r] = _mm512_dpbusd_epi32(dhi[r], even[g], bcast32_512(h));
+            dhi[r] = _mm512_dpbusd_epi32(dhi[r], odd[g], bcast32_512(h + 4));
+            dlo[r] = _mm512_dpbusd_epi32(dlo[r], even[g], bcast32_512(l));
+            dlo[r] = _mm512_dpbusd_epi32(dlo[r], odd[g], bcast32_512(l + 4));
+        }
+}
+
+X512_INLINE __m256h ph1(uint16_t bits) { return _mm256_castsi256_ph(_mm256_set1_epi16((short)bits)); }
+
+/* block8() for 16 columns (col16 = 0 or 16 within tile t); writes the first ncols of them. */
+X512_INLINE void block16(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                         const int R, int full, float *c, int64_t ldc, int ncols)
+{
+    __m512 acc[ROW_GROUP];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    const __m256i map16 = lane_map16();
+    for (int64_t s = 0; s < s_count; s++) {
+        const a_prep *ar[ROW_GROUP];
+        for (int r = 0; r < R; r++)
+            ar[r] = prep + r * s_count + s;
+        const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
+        __m256h d16[ROW_GROUP];
+        for (int r = 0; r < R; r++)
+            d16[r] = _mm256_setzero_ph();
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            const uint8_t *blk = sup + (size_t)j * B_BLOCK;
+            __m512i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
+            codes16(blk + B_SCALES + (QK / 2) * col16, even, odd);
+            dots16(even, odd, ar, R, j, dhi, dlo);
+            const __m256i d_bits =
+                _mm256_permutexvar_epi16(map16, _mm256_loadu_si256((const __m256i *)(blk + 2 * col16)));
+            if (full) {
+                const __m256h d = _mm256_castsi256_ph(d_bits);
+                const __m256h sc = _mm256_mul_ph(d, ph1(ar[0]->rel_h[j]));                   /* fp16(d * rel_j) */
+                const __m256h sc16 = R == ROW_GROUP ? _mm256_mul_ph(d, ph1(ar[0]->rel16_h[j])) /* m4 */
+                                                    : _mm256_mul_ph(sc, ph1(0x4c00u));          /* m1: sc * 16 */
+                for (int r = 0; r < R; r++) {
+                    const __m256h zp = _mm256_mul_ph(sc, ph1(ar[r]->asum8_h[j]));
+                    const __m512 zp32 = _mm512_cvtph_ps(_mm256_castph_si256(zp));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), zp32));
+                    d16[r] = _mm256_add_ph(d16[r], _mm256_mul_ph(_mm512_cvtepi32_ph(dhi[r]), sc16));
+                    d16[r] = _mm256_add_ph(d16[r], _mm256_mul_ph(_mm512_cvtepi32_ph(dlo[r]), sc));
+                }
+            } else {
+                const __m512 d = _mm512_cvtph_ps(d_bits);
+                for (int r = 0; r < R; r++) {
+                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
+                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
+                    const __m512 coef = _mm512_mul_ps(_mm512_set1_ps(sa_rel), d);
+                    const __m512 tt = _mm512_add_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(ar[r]->asum8[j]));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(coef, tt));
+                }
+            }
+        }
+        if (full)
+            for (int r = 0; r < R; r++) {
+                const __m512 d16_32 = _mm512_cvtph_ps(_mm256_castph_si256(d16[r]));
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16_32));
+            }
+    }
+    const __m512i map32 = lane_map32();
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+}
+
+X512_TARGET static void block16_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                                   int full, float *c, int64_t ldc, int ncols)
+{
+    block16(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols);
+}
+
+X512_TARGET static void block16_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                                   int full, float *c, int64_t ldc, int ncols)
+{
+    block16(b, prep, s_count, t, col16, 1, full, c, ldc, ncols);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* The path */
+
+#define MXCSR_DAZ 0x0040u
+#define MXCSR_RC 0x6000u
+#define MXCSR_FTZ 0x8000u
+#define MXCSR_FLAGS 0x003fu /* sticky exception flags */
+#define MXCSR_MASKS 0x1f80u /* exception masks */
+
+/* wide: the AVX-512 variant (block16), else AVX2 (block8). */
+X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                 float *c, a_prep *prep, int wide)
+{
+    const int64_t s_count = ceil_div(k, SUPERBLOCK_K);
+    const int64_t t_count = ceil_div(n, TILE_N);
+    const int64_t n_full = (n / TILE_N) * TILE_N;
+    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
+    for (int64_t row0 = 0; row0 < m;) {
+        const int rows = row0 < grouped_rows ? ROW_GROUP : 1;
+        for (int r = 0; r < rows; r++)
+            for (int64_t s = 0; s < s_count; s++)
+                prep_row(a_packed, m, row0 + r, s, s_count, prep + r * s_count + s);
+        for (int64_t t = 0; t < t_count; t++) {
+            const int64_t col0 = t * TILE_N;
+            const int full = col0 + TILE_N <= n_full;
+            const int ncols = full ? TILE_N : (int)(n - col0);
+            const int step = wide ? 16 : 8;
+            for (int cb = 0; cb < ncols; cb += step) {
+                const int w = ncols - cb < step ? ncols - cb : step;
+                float *cp = c + row0 * n + col0 + cb;
+                if (wide && rows == ROW_GROUP)
+                    block16_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else if (wide)
+                    block16_m1(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else if (rows == ROW_GROUP)
+                    block8_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else
+                    block8_m1(b_packed, prep, s_count, t, cb, full, cp, n, w);
+            }
+        }
+        row0 += rows;
+    }
+}
+
+npu_ime2_status npu_ime2_gemm_x86(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
+                                  float *c)
+{
+    if (!npu_ime2_x86_usable())
+        return NPU_IME2_ERR_BAD_PATH;
+    size_t bytes;
+    if (!mul3_size(ROW_GROUP, ceil_div(k, SUPERBLOCK_K), (int64_t)sizeof(a_prep), &bytes))
+        return NPU_IME2_ERR_NO_MEMORY;
+    a_prep *prep = malloc(bytes);
+    if (!prep)
+        return NPU_IME2_ERR_NO_MEMORY;
+    const unsigned int csr = _mm_getcsr();
+    /* no flushing, round to nearest even, all exceptions masked (inf * 0 and overflow are results
+     * here, never traps) */
+    _mm_setcsr((csr & ~(MXCSR_DAZ | MXCSR_FTZ | MXCSR_RC)) | MXCSR_MASKS);
+    gemm_rows(a_packed, b_packed, m, k, n, c, prep, avx512_wanted());
+    _mm_setcsr(csr | (_mm_getcsr() & MXCSR_FLAGS));
+    free(prep);
+    return NPU_IME2_OK;
+}

@@ -1,0 +1,241 @@
+"""The X86 host path of kernels/ime2 (src/gemm_x86.c: AVX2 + F16C) against the portable C path
+and npusim.q4x32 hardware level, on adversarial inputs: fp16 accumulator overflow to inf, fp16
+subnormal scales and products, all-zero sub-blocks, N tails, K not a multiple of 256, M = 1..9
+(4-row groups and lone rows), and a caller's MXCSR FTZ/DAZ.
+
+Every comparison with the portable path is on float32 bit patterns (NaN payloads and signed
+zeros included); the comparison with npusim is value for value with NaN positions.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import npusim.q4x32 as q
+from vllm_npu.ime2 import kernel
+
+
+def _cpu_flags() -> set[str]:
+    """The CPU flags Linux reports (it hides AVX features the OS does not save state for)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+CPU_HAS_AVX2_F16C = {"avx2", "f16c"} <= _cpu_flags()
+needs_x86 = pytest.mark.skipif(not CPU_HAS_AVX2_F16C, reason="this CPU lacks AVX2 or F16C (or is not x86-64 Linux)")
+
+
+AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_fp16"}
+
+
+@pytest.fixture(scope="module", autouse=True, params=["best", "avx2"])
+def x86_isa(request):
+    """Every test here runs twice: with the X86 path's best variant for this CPU (AVX-512 VNNI +
+    FP16 where present) and with its AVX2 + F16C variant forced (NPU_IME2_X86_ISA=avx2)."""
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "avx2":
+            mp.setenv("NPU_IME2_X86_ISA", "avx2")
+        else:
+            mp.delenv("NPU_IME2_X86_ISA", raising=False)
+        yield request.param
+
+
+def bits(c: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(c, dtype=np.float32).view(np.uint32)
+
+
+def run_all(a: np.ndarray, qw: np.ndarray, sc: np.ndarray) -> np.ndarray:
+    """X86 == portable bit pattern for bit pattern, both == npusim hardware, and the whole op
+    (AUTO) == X86. Returns the X86 result."""
+    m, k = a.shape
+    n = qw.shape[0]
+    ap, bp = kernel.quantize_a(a), kernel.pack_b(qw, sc)
+    hw = q.ime2_hp_gemm(a, qw, sc, level="hardware")
+    portable = kernel.gemm_packed(ap, bp, m, k, n, path="portable")
+    x86 = kernel.gemm_packed(ap, bp, m, k, n, path="x86")
+    assert np.array_equal(portable, hw, equal_nan=True), "portable vs npusim hardware"
+    diff = bits(x86) != bits(portable)
+    assert not diff.any(), (f"x86 vs portable: {int(diff.sum())} of {diff.size} differ, first at "
+                            f"{tuple(np.argwhere(diff)[0])}: {x86[tuple(np.argwhere(diff)[0])]!r} vs "
+                            f"{portable[tuple(np.argwhere(diff)[0])]!r}")
+    np.testing.assert_array_equal(bits(kernel.ime2_hp_gemm_cpu(a, qw, sc)), bits(x86))
+    return x86
+
+
+def rand_weights(rng: np.random.Generator, n: int, k: int, scale: float = 1 / 8) -> tuple[np.ndarray, np.ndarray]:
+    qw = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
+    sc = rng.uniform(0.5, 1.5, (n, k // 32)) * rng.choice([-1, 1], (n, k // 32)) * scale
+    return qw, sc.astype(np.float16).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# availability and dispatch
+
+
+def test_x86_path_status_follows_the_cpu_flags():
+    assert (kernel.path_status("x86") == kernel.Status.OK) == CPU_HAS_AVX2_F16C
+    assert ("x86" in kernel.usable_paths()) == CPU_HAS_AVX2_F16C
+
+
+@needs_x86
+def test_auto_picks_x86_on_this_machine():
+    assert kernel.auto_path() == "x86"
+    assert kernel.usable_paths() == ["portable", "x86"]
+
+
+# ---------------------------------------------------------------------------------------------
+# adversarial inputs
+
+
+@needs_x86
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_fp16_accumulator_overflow_to_inf(m):
+    """Large weight scales and outlier activations: the fp16 d16 accumulator (and sc, zp)
+    overflow to +/-inf, inf - inf gives NaN; positions and bits as the portable path."""
+    rng = np.random.default_rng(100 + m)
+    k, n = 512, 100
+    qw, sc = rand_weights(rng, n, k, scale=1.0)
+    qw[0::5] = qw[1::5] = 0x0F  # even K code 15, odd K code 0: dot = 15 * sum(q over even K) > 0
+    qw[2::5] = 0xFF
+    sc = sc * np.float32(2000.0)
+    sc[0::5], sc[1::5] = 3000.0, -3000.0  # d16 overflows to +inf / -inf, zp stays 0 (rows with asum 0)
+    sc[2::5, 3] = 65504.0  # the largest fp16
+    sc[3::5] = 90000.0  # beyond fp16: the tile's scale is inf, inf * 0 = NaN
+    v = np.abs(rng.standard_normal((m, k // 2))).astype(np.float32) + 1
+    a = np.empty((m, k), np.float32)
+    a[:, 0::2], a[:, 1::2] = v, -v  # every sub-block sums to 0: asum8 = 0
+    if m == 5:  # a lone row after the group
+        a[4] = rng.standard_normal(k).astype(np.float32)
+        a[4, 5] = 400.0  # outlier: its sub-block's codes are large
+    c = run_all(a, qw, sc)
+    assert np.isposinf(c).any() and np.isneginf(c).any() and np.isnan(c).any() and np.isfinite(c).any()
+
+
+@needs_x86
+@pytest.mark.parametrize("m", [1, 4, 7])
+@pytest.mark.parametrize("exp", [-17, -20, -24])
+def test_fp16_subnormal_scales_and_products(m, exp):
+    """Weight scales in fp16's subnormal range (< 2**-14): sc = fp16(d * rel), sc16, zp and the
+    products are fp16 subnormals (or round to zero); m1's fp16(sc * 16) and m4's
+    fp16(d * fp16(rel * 16)) differ here."""
+    rng = np.random.default_rng(200 + m - exp)
+    k, n = 320, 70
+    qw, sc = rand_weights(rng, n, k, scale=2.0**exp)
+    h = np.abs(sc.astype(np.float16))
+    assert ((h < 2.0**-14) & (h > 0)).mean() > 0.9  # the scales really are fp16 subnormals
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    c = run_all(a, qw, sc)
+    assert np.isfinite(c).all() and (c != 0).any()
+
+
+@needs_x86
+def test_tiny_activations_subnormal_scale_avg():
+    rng = np.random.default_rng(9)
+    qw, sc = rand_weights(rng, 40, 576, scale=2.0**-10)
+    for m in (1, 4, 6):
+        a = rng.standard_normal((m, 576)).astype(np.float32) * np.float32(2e-5)
+        run_all(a, qw, sc)
+
+
+@needs_x86
+@pytest.mark.parametrize("m", [1, 4, 6])
+def test_all_zero_subblocks(m):
+    """Zero activation sub-blocks (scale 0, rel 0, q 0), zero-point-only weight blocks (code 8),
+    zero scales: zero dots, zero and negative-zero products."""
+    rng = np.random.default_rng(300 + m)
+    k, n = 544, 75
+    qw, sc = rand_weights(rng, n, k)
+    qw[:, 2] = 0x88
+    qw[::3, 5] = 0x88
+    sc[:, 7] = 0.0
+    sc[4::5, 1] = -0.0
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    a[:, 0:32] = 0.0  # a whole sub-block of every row
+    a[:, 256:512] = 0.0  # a whole superblock
+    a[-1, 64:96] = 0.0  # one row only (in a group: the group's scale stays)
+    run_all(a, qw, sc)
+    run_all(np.zeros((m, k), np.float32), qw, sc)
+    run_all(-np.zeros((m, k), np.float32), qw, sc)
+
+
+@needs_x86
+@pytest.mark.parametrize("k", [32, 96, 288, 2048])
+@pytest.mark.parametrize("n", [1, 7, 31, 32, 33, 64, 95])
+def test_shapes_m_1_to_9(k, n):
+    """N tails (N % 32 != 0, N < 32: the scalar tail's arithmetic), K not a multiple of 256,
+    every M from 1 to 9 (4-row groups followed by 0..3 lone rows)."""
+    rng = np.random.default_rng(k * 1000 + n)
+    qw, sc = rand_weights(rng, n, k)
+    for m in range(1, 10):
+        run_all(rng.standard_normal((m, k)).astype(np.float32), qw, sc)
+
+
+@needs_x86
+@given(
+    m=st.integers(1, 9),
+    kb=st.integers(1, 40),  # K = 32 .. 1280
+    n=st.integers(1, 80),
+    w_exp=st.integers(-26, 14),  # weight scale magnitude 2**w_exp: fp16 subnormal .. overflow
+    a_exp=st.integers(-30, 25),  # activation magnitude
+    zero_blocks=st.booleans(),
+    outlier=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_x86_equals_portable_property(m, kb, n, w_exp, a_exp, zero_blocks, outlier, seed):
+    rng = np.random.default_rng(seed)
+    k = 32 * kb
+    qw, sc = rand_weights(rng, n, k, scale=2.0**w_exp)
+    a = (rng.standard_normal((m, k)) * 2.0**a_exp).astype(np.float32)
+    if zero_blocks:
+        a[:, rng.integers(0, kb) * 32:][:, :32] = 0.0
+        sc[rng.integers(0, n), rng.integers(0, kb)] = 0.0
+        qw[:, rng.integers(0, kb)] = 0x88
+    if outlier:
+        a[rng.integers(m), rng.integers(k)] = np.float32(300.0 * 2.0**a_exp)
+    run_all(a, qw, sc)
+
+
+# ---------------------------------------------------------------------------------------------
+# the caller's MXCSR
+
+
+def test_flush_denormal_leaves_results_unchanged_and_is_restored():
+    """torch.set_flush_denormal(True) sets MXCSR FTZ and DAZ for this thread; every path (and the
+    whole op and the torch op) must give the same bits as without it, and the caller's setting
+    must still be in force after the calls."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    k, n = 320, 70
+    qw, sc = rand_weights(rng, n, k, scale=2.0**-20)  # fp16 subnormal scales
+    a = rng.standard_normal((5, k)).astype(np.float32)
+    ap, bp = kernel.quantize_a(a), kernel.pack_b(qw, sc)
+    paths = ["auto", *kernel.usable_paths()]
+    before = {p: bits(kernel.gemm_packed(ap, bp, 5, k, n, path=p)) for p in paths}
+    whole = bits(kernel.ime2_hp_gemm_cpu(a, qw, sc))
+    tiny = torch.tensor([1e-39], dtype=torch.float32)  # an fp32 subnormal
+    assert (tiny * 1.0).item() != 0.0
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        assert (tiny * 1.0).item() == 0.0  # FTZ/DAZ in force
+        for p in paths:
+            np.testing.assert_array_equal(bits(kernel.gemm_packed(ap, bp, 5, k, n, path=p)), before[p], err_msg=p)
+            assert (tiny * 1.0).item() == 0.0, f"path {p!r} did not restore the caller's MXCSR"
+        np.testing.assert_array_equal(bits(kernel.ime2_hp_gemm_cpu(a, qw, sc)), whole)
+        kernel.register_torch_op()
+        out = torch.ops.npu_harness.ime2_hp_gemm_cpu(torch.from_numpy(a), torch.from_numpy(qw), torch.from_numpy(sc))
+        np.testing.assert_array_equal(bits(out.numpy()), whole)
+        assert (tiny * 1.0).item() == 0.0
+    finally:
+        torch.set_flush_denormal(False)
+    assert (tiny * 1.0).item() != 0.0
+    assert np.array_equal(whole.view(np.float32), q.ime2_hp_gemm(a, qw, sc, level="hardware"), equal_nan=True)
