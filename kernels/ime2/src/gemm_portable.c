@@ -52,26 +52,9 @@ typedef struct {
 
 static void load_a(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s, int64_t s_count, a_super *out)
 {
-    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
-    const uint8_t *rel_p[SUBBLOCKS], *q_p[SUBBLOCKS], *asum_p, *sa_p;
-    if (row < grouped_rows) {
-        const int r = (int)(row % ROW_GROUP);
-        const uint8_t *blk = a_packed + (size_t)((row - r) * s_count * A_ROW) + (size_t)s * A_GROUP;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            rel_p[j] = blk + A_GROUP_STRIDE * j;
-            q_p[j] = blk + A_GROUP_STRIDE * j + 8 + QK * r;
-        }
-        asum_p = blk + A_GROUP_ASUM + 16 * r;
-        sa_p = blk + A_GROUP_SA;
-    } else {
-        const uint8_t *blk = a_packed + (size_t)(row * s_count * A_ROW) + (size_t)s * A_ROW;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            rel_p[j] = blk + A_ROW_STRIDE * j;
-            q_p[j] = blk + A_ROW_STRIDE * j + 2;
-        }
-        asum_p = blk + A_ROW_ASUM;
-        sa_p = blk + A_ROW_SA;
-    }
+    a_row_ptrs ptrs;
+    a_row_locate(a_packed, m, row, s, s_count, &ptrs);
+    const uint8_t *const *rel_p = ptrs.rel, *const *q_p = ptrs.q, *asum_p = ptrs.asum, *sa_p = ptrs.sa;
     for (int j = 0; j < SUBBLOCKS; j++) {
         out->rel[j] = get_f16(rel_p[j]);
         out->rel16[j] = f16_mul(out->rel[j], 0x4c00u /* 16.0 */);

@@ -107,29 +107,11 @@ static inline f16_t get_f16(const uint8_t *p) { return (f16_t)(p[0] | (p[1] << 8
 /* Position of K index i (0..31) of a sub-block in a_prep.hi/lo. */
 static inline int dot_pos(int i) { return (i / 8) * 8 + (i & 1) * 4 + ((i % 8) >> 1); }
 
-/* Same byte offsets as load_a() in gemm_portable.c. */
 static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s, int64_t s_count, a_prep *out)
 {
-    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
-    const uint8_t *rel_p[SUBBLOCKS], *q_p[SUBBLOCKS], *asum_p, *sa_p;
-    if (row < grouped_rows) {
-        const int r = (int)(row % ROW_GROUP);
-        const uint8_t *blk = a_packed + (size_t)((row - r) * s_count * A_ROW) + (size_t)s * A_GROUP;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            rel_p[j] = blk + A_GROUP_STRIDE * j;
-            q_p[j] = blk + A_GROUP_STRIDE * j + 8 + QK * r;
-        }
-        asum_p = blk + A_GROUP_ASUM + 16 * r;
-        sa_p = blk + A_GROUP_SA;
-    } else {
-        const uint8_t *blk = a_packed + (size_t)(row * s_count * A_ROW) + (size_t)s * A_ROW;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            rel_p[j] = blk + A_ROW_STRIDE * j;
-            q_p[j] = blk + A_ROW_STRIDE * j + 2;
-        }
-        asum_p = blk + A_ROW_ASUM;
-        sa_p = blk + A_ROW_SA;
-    }
+    a_row_ptrs ptrs;
+    a_row_locate(a_packed, m, row, s, s_count, &ptrs);
+    const uint8_t *const *rel_p = ptrs.rel, *const *q_p = ptrs.q, *asum_p = ptrs.asum, *sa_p = ptrs.sa;
     for (int j = 0; j < SUBBLOCKS; j++) {
         const f16_t rel = get_f16(rel_p[j]);
         out->rel_h[j] = rel;

@@ -46,6 +46,40 @@ static inline int mul3_size(int64_t a, int64_t b, int64_t c, size_t *out)
     return 1;
 }
 
+/* Where row `row` of quantized A (M rows) keeps superblock s (pack.c layout): a row of a 4-row
+ * group (row < 4 * (M / 4)) reads the group's shared rel_j / scale_avg slots and its own int8
+ * values and asum8; a remainder row has a 290-byte block of its own. */
+typedef struct {
+    const uint8_t *rel[SUBBLOCKS]; /* fp16 rel_j */
+    const uint8_t *q[SUBBLOCKS];   /* int8[32] of sub-block j */
+    const uint8_t *asum;           /* fp16 asum8[8] */
+    const uint8_t *sa;             /* fp16 scale_avg */
+} a_row_ptrs;
+
+static inline void a_row_locate(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s, int64_t s_count,
+                                a_row_ptrs *p)
+{
+    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
+    if (row < grouped_rows) {
+        const int r = (int)(row % ROW_GROUP);
+        const uint8_t *blk = a_packed + (size_t)((row - r) * s_count * A_ROW) + (size_t)s * A_GROUP;
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            p->rel[j] = blk + A_GROUP_STRIDE * j;
+            p->q[j] = blk + A_GROUP_STRIDE * j + 8 + QK * r;
+        }
+        p->asum = blk + A_GROUP_ASUM + 16 * r;
+        p->sa = blk + A_GROUP_SA;
+    } else {
+        const uint8_t *blk = a_packed + (size_t)(row * s_count * A_ROW) + (size_t)s * A_ROW;
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            p->rel[j] = blk + A_ROW_STRIDE * j;
+            p->q[j] = blk + A_ROW_STRIDE * j + 2;
+        }
+        p->asum = blk + A_ROW_ASUM;
+        p->sa = blk + A_ROW_SA;
+    }
+}
+
 /* Portable GEMM on packed operands (shapes and sizes already validated). */
 void npu_ime2_gemm_portable(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
                             float *c);
