@@ -31,27 +31,32 @@ COLUMNS = [(p, v) for p in PATHS for v in VLENS]
 REPEATS = 3
 
 
-def main() -> None:
-    print("| K | N | M | " + " | ".join(f"{p} VLEN {v} wall (median of {REPEATS})" for p, v in COLUMNS) + " |")
-    print("|---|---|---|" + "---|" * len(COLUMNS))
+def cases():
+    """(K, N, M, A, qweight, scales, host C result) for every shape at M = 1 and 4."""
     for k, n in SHAPES:
         rng = np.random.default_rng(k + n)
         qw = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
         sc = (rng.uniform(0.5, 1.5, (n, k // 32)) / 8).astype(np.float16).astype(np.float32)
         for m in (1, 4):
             a = rng.standard_normal((m, k)).astype(np.float32)
-            host = kernel.ime2_hp_gemm_cpu(a, qw, sc)
-            cells = []
-            for p, v in COLUMNS:
-                c = qemu_ime2.run_driver(a, qw, sc, vlen=v, path=p, timeout=600)
-                assert np.array_equal(c, host), f"QEMU {p} VLEN {v} differs from the host library"
-                ts = []
-                for _ in range(REPEATS):
-                    t0 = time.perf_counter()
-                    qemu_ime2.run_driver(a, qw, sc, vlen=v, path=p, timeout=600)
-                    ts.append(time.perf_counter() - t0)
-                cells.append(f"{statistics.median(ts):.3f} s")
-            print(f"| {k} | {n} | {m} | " + " | ".join(cells) + " |", flush=True)
+            yield k, n, m, a, qw, sc, kernel.ime2_hp_gemm_cpu(a, qw, sc)
+
+
+def main() -> None:
+    print("| K | N | M | " + " | ".join(f"{p} VLEN {v} wall (median of {REPEATS})" for p, v in COLUMNS) + " |")
+    print("|---|---|---|" + "---|" * len(COLUMNS))
+    for k, n, m, a, qw, sc, host in cases():
+        cells = []
+        for p, v in COLUMNS:
+            c = qemu_ime2.run_driver(a, qw, sc, vlen=v, path=p, timeout=600)
+            assert np.array_equal(c, host), f"QEMU {p} VLEN {v} differs from the host library"
+            ts = []
+            for _ in range(REPEATS):
+                t0 = time.perf_counter()
+                qemu_ime2.run_driver(a, qw, sc, vlen=v, path=p, timeout=600)
+                ts.append(time.perf_counter() - t0)
+            cells.append(f"{statistics.median(ts):.3f} s")
+        print(f"| {k} | {n} | {m} | " + " | ".join(cells) + " |", flush=True)
 
 
 # ---- the IME2 path: vmadot*.hp run through the driver's SIGILL emulator (VLEN 1024 only)
@@ -67,25 +72,19 @@ def ime2_table() -> None:
     print(f"| K | N | M | portable VLEN 1024 (median of {REPEATS}) | ime2 VLEN 1024 (median of {REPEATS}) "
           "| emulated .hp | µs per .hp (difference / count) |")
     print("|---|---|---|---|---|---|---|")
-    for k, n in SHAPES:
-        rng = np.random.default_rng(k + n)
-        qw = rng.integers(0, 256, (n, k // 32, 16), dtype=np.uint8)
-        sc = (rng.uniform(0.5, 1.5, (n, k // 32)) / 8).astype(np.float16).astype(np.float32)
-        for m in (1, 4):
-            a = rng.standard_normal((m, k)).astype(np.float32)
-            host = kernel.ime2_hp_gemm_cpu(a, qw, sc)
-            med, count = {}, 0
-            for path in ("portable", "ime2"):
-                res = qemu_ime2.run(a, qw, sc, vlen=1024, path=path, timeout=600)
-                assert res.status == 0 and np.array_equal(res.c, host), f"{path} differs from the host library"
-                if path == "ime2":
-                    count = qemu_ime2.emulated_count(res.stderr) or 0
-                med[path] = statistics.median(
-                    qemu_ime2.run(a, qw, sc, vlen=1024, path=path, timeout=600).seconds for _ in range(REPEATS))
-            # N < 32: no full tile, only the scalar tail runs (no .hp to divide by)
-            per = f"{(med['ime2'] - med['portable']) / count * 1e6:.1f}" if count else "– (tail only)"
-            print(f"| {k} | {n} | {m} | {med['portable']:.3f} s | {med['ime2']:.3f} s | {count} | {per} |",
-                  flush=True)
+    for k, n, m, a, qw, sc, host in cases():
+        med, count = {}, 0
+        for path in ("portable", "ime2"):
+            res = qemu_ime2.run(a, qw, sc, vlen=1024, path=path, timeout=600)
+            assert res.status == 0 and np.array_equal(res.c, host), f"{path} differs from the host library"
+            if path == "ime2":
+                count = qemu_ime2.emulated_count(res.stderr) or 0
+            med[path] = statistics.median(
+                qemu_ime2.run(a, qw, sc, vlen=1024, path=path, timeout=600).seconds for _ in range(REPEATS))
+        # N < 32: no full tile, only the scalar tail runs (no .hp to divide by)
+        per = f"{(med['ime2'] - med['portable']) / count * 1e6:.1f}" if count else "– (tail only)"
+        print(f"| {k} | {n} | {m} | {med['portable']:.3f} s | {med['ime2']:.3f} s | {count} | {per} |",
+              flush=True)
 
 
 if __name__ == "__main__":
