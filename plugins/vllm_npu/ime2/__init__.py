@@ -3,7 +3,8 @@
 * ``ime2_hp_gemm_cpu(A, qweight, scales)``, ``register_torch_op()`` and the rest of
   :mod:`vllm_npu.ime2.kernel`: the host build of ``kernels/ime2`` through its C ABI (issue 3).
   Loaded lazily, so importing this package stays cheap (no ctypes load, no torch).
-* ``register``: the ``ime2_q4`` quantization method, not built yet (issue 5).
+* :func:`register`: the vLLM general plugin (entry point ``vllm.general_plugins``: ``ime2``)
+  that registers the ``ime2_q4`` quantization method of :mod:`vllm_npu.ime2.quant` (issue 5).
 """
 
 from __future__ import annotations
@@ -21,11 +22,30 @@ _FROM_KERNEL = (
     "KernelUnavailableError",
 )
 
-_PENDING = {
-    "register": "issue 5 (the ime2_q4 quantization method)",
-}
+_PENDING: dict[str, str] = {}
 
 __all__ = list(_FROM_KERNEL) + ["register"]
+
+
+def register() -> None:
+    """vLLM general plugin: register the ``ime2_q4`` quantization method (idempotent).
+
+    vLLM calls this in every process it starts, and an exception here would stop vLLM's
+    start-up even for users who never pass ``--quantization ime2_q4``. So a failure (vLLM or
+    torch missing or incompatible) is logged as one warning naming the cause, and
+    ``ime2_q4`` is then simply not offered; vLLM itself rejects ``--quantization ime2_q4`` as
+    an unknown method.
+    """
+    import logging
+
+    try:
+        from .quant import register as _register
+
+        _register()
+    except Exception as exc:  # noqa: BLE001 - must never break vLLM start-up (see docstring)
+        logging.getLogger("vllm.vllm_npu.ime2").warning(
+            "vllm_npu.ime2: the ime2_q4 quantization method is not registered: %s: %s",
+            type(exc).__name__, exc)
 
 
 def __getattr__(name: str) -> Any:

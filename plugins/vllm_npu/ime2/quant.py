@@ -1,0 +1,232 @@
+"""The ``ime2_q4`` quantization method for vLLM's CPU platform (issue 5).
+
+``vllm serve <bf16/fp32 checkpoint> --quantization ime2_q4`` (or ``vllm.LLM(...,
+quantization="ime2_q4")``) loads the checkpoint as usual, then quantizes every **linear layer**
+(vLLM ``LinearBase``: the fused ``qkv_proj``, ``o_proj``, the fused ``gate_up_proj`` and
+``down_proj``) to Q4_0 and packs it once into the IME2 tile format
+(:class:`vllm_npu.ime2.linear.PackedQ4Weight`). Each forward call of such a layer runs the
+kernel (N tiles split over the worker threads, see ``linear.py``).
+
+Not quantized, left exactly as vLLM has them: the token embedding (``VocabParallelEmbedding``),
+the LM head (``ParallelLMHead``, tied or not), the norms, RoPE and attention.
+
+Weight lifetime: ``create_weights`` registers the same float ``weight`` parameter as vLLM's
+unquantized method (so bf16/fp32 checkpoints and the fused q/k/v and gate/up loaders work
+unchanged); ``process_weights_after_loading`` packs it and deletes the parameter, so the float
+copy is freed and only the packed tiles stay resident.
+
+The kernel call is the torch custom op ``torch.ops.npu_harness.ime2_q4_linear`` (opaque to
+``torch.compile``; its fake implementation gives the output shape), so compiled and eager
+mode both work.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any
+
+import torch
+from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, LinearBase, LinearMethodBase
+from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import set_weight_attrs
+
+from . import kernel
+from .linear import PackedQ4Weight
+
+__all__ = [
+    "METHOD_NAME",
+    "AlreadyQuantizedError",
+    "Ime2Q4Config",
+    "Ime2Q4LinearMethod",
+    "Ime2QuantError",
+    "UnsupportedPlatformError",
+    "register",
+]
+
+#: The name users pass to ``--quantization``.
+METHOD_NAME = "ime2_q4"
+
+# A child of vLLM's "vllm" logger, so the line shows up with vLLM's own logging set-up.
+logger = logging.getLogger("vllm.vllm_npu.ime2")
+
+_LOCK = threading.Lock()
+_PATH_LOGGED = False
+_HANDLES = itertools.count(1)
+_WEIGHTS: dict[int, PackedQ4Weight] = {}
+_OP_DEFINED = False
+
+
+class Ime2QuantError(ValueError):
+    """Base class of the ``ime2_q4`` configuration errors."""
+
+
+class UnsupportedPlatformError(Ime2QuantError):
+    """``--quantization ime2_q4`` on a vLLM platform other than CPU."""
+
+
+class AlreadyQuantizedError(Ime2QuantError):
+    """The checkpoint's ``config.json`` already carries another quantization scheme."""
+
+
+def _log_path_once() -> None:
+    global _PATH_LOGGED
+    with _LOCK:
+        if _PATH_LOGGED:
+            return
+        _PATH_LOGGED = True
+    logger.info("ime2_q4: linear layers run the IME2 Q4_0x32 kernel, %s path (auto_path(); usable here: %s)",
+                kernel.auto_path(), ", ".join(kernel.usable_paths()))
+
+
+def _define_op() -> None:
+    """Define ``torch.ops.npu_harness.ime2_q4_linear(x, handle, n)`` once per process."""
+    global _OP_DEFINED
+    with _LOCK:
+        if _OP_DEFINED:
+            return
+        try:
+            torch.ops.npu_harness.ime2_q4_linear  # noqa: B018 - already defined (module reloaded)?
+        except (AttributeError, RuntimeError):
+
+            @torch.library.custom_op("npu_harness::ime2_q4_linear", mutates_args=(), device_types="cpu")
+            def _op(x: torch.Tensor, handle: int, n: int) -> torch.Tensor:
+                return _apply_nan_rows(_WEIGHTS[handle], x)
+
+            @_op.register_fake
+            def _fake(x: torch.Tensor, handle: int, n: int) -> torch.Tensor:
+                return x.new_empty((*x.shape[:-1], n))
+
+        _OP_DEFINED = True
+
+
+def _apply_nan_rows(packed: PackedQ4Weight, x: torch.Tensor) -> torch.Tensor:
+    """``packed.apply(x)`` with float GEMM semantics for non-finite rows.
+
+    The kernel rejects NaN/Inf activations (``NonFiniteError``), but vLLM's profile run and
+    padded batch slots feed rows of uninitialised memory. Such rows are zeroed for the kernel
+    and come out as NaN, as a float GEMM would give; finite rows are unaffected.
+    """
+    finite = torch.isfinite(x).all(dim=-1)
+    if bool(finite.all()):
+        return packed.apply(x)
+    y = packed.apply(torch.where(finite.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype)))
+    return y.masked_fill(~finite.unsqueeze(-1), float("nan"))
+
+
+class Ime2Q4LinearMethod(LinearMethodBase):
+    """Float weights at load (like vLLM's unquantized method), packed Q4_0 tiles afterwards.
+
+    Raises (from :meth:`create_weights`):
+        vllm_npu.ime2.kernel.KDimensionError: the layer's input size is not a multiple of 32.
+    """
+
+    def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
+                       output_partition_sizes: list[int], input_size: int, output_size: int,
+                       params_dtype: torch.dtype, **extra_weight_attrs: Any) -> None:
+        k = int(input_size_per_partition)
+        if k <= 0 or k % kernel.QK:
+            prefix = getattr(layer, "prefix", "") or type(layer).__name__
+            raise kernel.KDimensionError(
+                f"--quantization {METHOD_NAME}: linear layer {prefix!r} has input size K={k}, which is "
+                f"not a multiple of {kernel.QK} (K % 32 = {k % kernel.QK}); the Q4_0 tile quantizes "
+                f"blocks of 32 inputs. Serve this model without --quantization {METHOD_NAME}."
+            )
+        weight_loader = extra_weight_attrs.pop("weight_loader")
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), k, dtype=params_dtype),
+            input_dim=1, output_dim=0, weight_loader=weight_loader,
+        )
+        layer.register_parameter("weight", weight)
+        set_weight_attrs(weight, extra_weight_attrs)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        """Quantize and pack ``layer.weight`` once, then delete the float parameter."""
+        _log_path_once()
+        _define_op()
+        name = getattr(layer, "prefix", "") or "weight"
+        packed = PackedQ4Weight.from_float(layer.weight.data, name=name)
+        handle = next(_HANDLES)
+        _WEIGHTS[handle] = packed
+        layer.ime2_handle = handle
+        layer.ime2_n = packed.n
+        del layer.weight  # frees the float copy; only the packed tiles stay
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.ops.npu_harness.ime2_q4_linear(x, layer.ime2_handle, layer.ime2_n)
+        return y if bias is None else y + bias
+
+
+class Ime2Q4Config(QuantizationConfig):
+    """``--quantization ime2_q4``: quantize linear layers to Q4_0 at load, run the IME2 kernel.
+
+    Raises (at engine configuration, before any model is built):
+        UnsupportedPlatformError: vLLM's current platform is not CPU.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            raise UnsupportedPlatformError(
+                f"--quantization {METHOD_NAME} runs only on vLLM's CPU platform, but the current platform "
+                f"is {type(current_platform).__name__} (device {current_platform.device_name!r}); unset the "
+                f"platform plugin's selector (e.g. NPU_HARNESS_TARGET) or drop --quantization {METHOD_NAME}"
+            )
+
+    def get_name(self) -> str:
+        return METHOD_NAME
+
+    def get_supported_act_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 0
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []  # nothing to read: the checkpoint is a plain float one
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> Ime2Q4Config:
+        return cls()
+
+    @classmethod
+    def override_quantization_method(cls, hf_quant_cfg: dict[str, Any], user_quant: str | None,
+                                     hf_config: Any = None) -> str | None:
+        """Reject ``--quantization ime2_q4`` on a checkpoint that is already quantized.
+
+        Raises:
+            AlreadyQuantizedError: ``user_quant`` is ``ime2_q4`` and the checkpoint's
+                ``quantization_config`` names another ``quant_method``.
+        """
+        if user_quant != METHOD_NAME:
+            return None
+        scheme = (hf_quant_cfg or {}).get("quant_method", "")
+        if scheme in ("", METHOD_NAME):
+            return None
+        raise AlreadyQuantizedError(
+            f"--quantization {METHOD_NAME} quantizes an unquantized (bf16/fp16/fp32) checkpoint at load, "
+            f"but this checkpoint's config.json already has quantization_config with "
+            f"quant_method={scheme!r}; use the unquantized checkpoint with {METHOD_NAME}, or drop "
+            f"--quantization {METHOD_NAME} to serve it with vLLM's {scheme!r} method"
+        )
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            return Ime2Q4LinearMethod()
+        return None  # embeddings, LM head: vLLM's own unquantized methods
+
+
+def register() -> None:
+    """Register ``ime2_q4`` with vLLM (idempotent: a second call changes nothing)."""
+    with _LOCK:
+        if Ime2Q4LinearMethod.__name__ not in WEIGHT_LOADER_V2_SUPPORTED:
+            WEIGHT_LOADER_V2_SUPPORTED.append(Ime2Q4LinearMethod.__name__)
+        if METHOD_NAME not in QUANTIZATION_METHODS:
+            register_quantization_config(METHOD_NAME)(Ime2Q4Config)
