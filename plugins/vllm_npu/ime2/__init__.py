@@ -3,6 +3,8 @@
 * ``ime2_hp_gemm_cpu(A, qweight, scales)``, ``register_torch_op()`` and the rest of
   :mod:`vllm_npu.ime2.kernel`: the host build of ``kernels/ime2`` through its C ABI (issue 3).
   Loaded lazily, so importing this package stays cheap (no ctypes load, no torch).
+* ``PackedQ4Weight``, ``pack_count``: :mod:`vllm_npu.ime2.linear`, a linear layer's weight
+  Q4_0-quantized and packed once, applied through the kernel with its N tiles over threads.
 * :func:`register`: the vLLM general plugin (entry point ``vllm.general_plugins``: ``ime2``)
   that registers the ``ime2_q4`` quantization method of :mod:`vllm_npu.ime2.quant` (issue 5).
 """
@@ -22,9 +24,11 @@ _FROM_KERNEL = (
     "KernelUnavailableError",
 )
 
+_FROM_LINEAR = ("PackedQ4Weight", "pack_count")
+
 _PENDING: dict[str, str] = {}
 
-__all__ = list(_FROM_KERNEL) + ["register"]
+__all__ = list(_FROM_KERNEL) + list(_FROM_LINEAR) + ["register"]
 
 
 def register() -> None:
@@ -51,6 +55,8 @@ def register() -> None:
 def __getattr__(name: str) -> Any:
     if name in _FROM_KERNEL:
         return getattr(importlib.import_module(f"{__name__}.kernel"), name)
+    if name in _FROM_LINEAR:
+        return getattr(importlib.import_module(f"{__name__}.linear"), name)
     if name in _PENDING:
         raise NotImplementedError(f"vllm_npu.ime2.{name} is not built yet: {_PENDING[name]}")
     raise AttributeError(f"module 'vllm_npu.ime2' has no attribute {name!r}")
