@@ -35,7 +35,7 @@ from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
 from . import kernel
-from .linear import PackedQ4Weight
+from .linear import PackedQ4Weight, default_threads
 
 __all__ = [
     "METHOD_NAME",
@@ -78,8 +78,8 @@ def _log_path_once() -> None:
         if _PATH_LOGGED:
             return
         _PATH_LOGGED = True
-    logger.info("ime2_q4: linear layers run the IME2 Q4_0x32 kernel, %s path (auto_path(); usable here: %s)",
-                kernel.auto_path(), ", ".join(kernel.usable_paths()))
+    logger.info("ime2_q4: linear layers run the IME2 Q4_0x32 kernel, %s path (auto_path(); usable here: %s), "
+                "N tiles over %d threads", kernel.auto_path(), ", ".join(kernel.usable_paths()), default_threads())
 
 
 def _define_op() -> None:
