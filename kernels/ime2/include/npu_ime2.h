@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define NPU_IME2_ABI_VERSION 2
+#define NPU_IME2_ABI_VERSION 3
 
 /* Bytes of one packed B block (K32 x N32: 32 fp16 scales + 512 nibble bytes). */
 #define NPU_IME2_B_BLOCK_BYTES 576
@@ -89,6 +89,20 @@ npu_ime2_status npu_ime2_quantize_a(const float *a, int64_t m, int64_t k, void *
  * a_bytes / b_bytes are the sizes of the input buffers (checked against the shapes). */
 npu_ime2_status npu_ime2_gemm(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes,
                               int64_t m, int64_t k, int64_t n, float *c, size_t c_bytes, int path);
+
+/* The same GEMM with its N tiles split over `threads` POSIX threads (1 .. NPU_IME2_MAX_THREADS;
+ * the calling thread is one of them; at most one thread per 32-column tile). Bit-identical to
+ * npu_ime2_gemm; same checks and statuses, plus NPU_IME2_ERR_BAD_SHAPE for a bad `threads` and
+ * NPU_IME2_ERR_NO_MEMORY when its [M, N] scratch cannot be allocated. */
+#define NPU_IME2_MAX_THREADS 256
+npu_ime2_status npu_ime2_gemm_mt(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes,
+                                 int64_t m, int64_t k, int64_t n, float *c, size_t c_bytes, int path, int threads);
+
+/* Q4_0-quantize a weight W [N, K] (float32, row-major, finite; K a positive multiple of 32) into
+ * the op's inputs: qweight [N, K/32, 16] (q_bytes >= N*K/2) and scales [N, K/32] (s_bytes >=
+ * N*K/32*4). The bits of npusim.q4x32.quantize_q4_0 (ggml's quantize_row_q4_0_ref). */
+npu_ime2_status npu_ime2_quantize_q4_0(const float *w, int64_t n, int64_t k, uint8_t *qweight, size_t q_bytes,
+                                       float *scales, size_t s_bytes);
 
 /* The whole op: quantize A, pack B (allocating the workspaces), GEMM on the AUTO path. */
 npu_ime2_status npu_ime2_hp_gemm(const float *a, const uint8_t *qweight, const float *scales, int64_t m,

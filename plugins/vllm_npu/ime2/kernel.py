@@ -52,6 +52,8 @@ __all__ = [
     "pack_b",
     "path_status",
     "quantize_a",
+    "quantize_a_array",
+    "quantize_q4_0",
     "register_torch_op",
     "status_string",
     "usable_paths",
@@ -64,7 +66,7 @@ BUILD_COMMAND = "make -C kernels/ime2 OUT=plugins/vllm_npu/ime2/_build  (or: bas
 
 QK = 32
 #: The C ABI version this binding speaks (NPU_IME2_ABI_VERSION).
-ABI_VERSION = 2
+ABI_VERSION = 3
 
 
 class Status:
@@ -207,6 +209,10 @@ def load_library() -> ctypes.CDLL:
         lib.npu_ime2_quantize_a.restype = ctypes.c_int
         lib.npu_ime2_gemm.argtypes = [_vp, _sz, _vp, _sz, _i64, _i64, _i64, _vp, _sz, ctypes.c_int]
         lib.npu_ime2_gemm.restype = ctypes.c_int
+        lib.npu_ime2_gemm_mt.argtypes = [_vp, _sz, _vp, _sz, _i64, _i64, _i64, _vp, _sz, ctypes.c_int, ctypes.c_int]
+        lib.npu_ime2_gemm_mt.restype = ctypes.c_int
+        lib.npu_ime2_quantize_q4_0.argtypes = [_vp, _i64, _i64, _vp, _sz, _vp, _sz]
+        lib.npu_ime2_quantize_q4_0.restype = ctypes.c_int
         lib.npu_ime2_hp_gemm.argtypes = [_vp, _vp, _vp, _i64, _i64, _i64, _vp, _sz]
         lib.npu_ime2_hp_gemm.restype = ctypes.c_int
         _LIB = lib
@@ -362,31 +368,90 @@ def quantize_a(a: Any) -> bytes:
     Raises:
         DTypeError, ShapeMismatchError, KDimensionError, NonFiniteError: bad inputs.
     """
+    return quantize_a_array(a).tobytes()
+
+
+def quantize_a_array(a: Any) -> np.ndarray:
+    """:func:`quantize_a` into a fresh uint8 array (no bytes copy; what the linear layers use).
+
+    Raises:
+        DTypeError, ShapeMismatchError, KDimensionError, NonFiniteError: bad inputs.
+    """
     a = _activations(_to_numpy(a, "A"), None)
     _check_finite("A", a)
     m, k = a.shape
     size = a_packed_size(m, k)
     out = np.empty(max(size, 1), dtype=np.uint8)
     _raise_for(load_library().npu_ime2_quantize_a(_ptr(a), m, k, _ptr(out), size), f"quantize_a(M={m}, K={k})")
-    return out[:size].tobytes()
+    return out[:size]
 
 
-def gemm_packed(a_packed: bytes, b_packed: bytes, m: int, k: int, n: int, *, path: str = "auto") -> np.ndarray:
-    """``C [M, N]`` float32 from :func:`quantize_a` and :func:`pack_b` bytes on the given C path.
+def quantize_q4_0(w: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_0-quantize a weight ``W [N, K]`` (float32, finite) in C: ``(qweight [N, K/32, 16] uint8,
+    scales [N, K/32] float32)``, the bits of ``npusim.q4x32.quantize_q4_0``.
+
+    Raises:
+        DTypeError: ``w`` is not float32. ShapeMismatchError: not 2-D or N < 1.
+        KDimensionError: K is not a positive multiple of 32. NonFiniteError: NaN/Inf in ``w``.
+    """
+    w = _to_numpy(w, "W")
+    if not isinstance(w, np.ndarray):
+        w = np.asarray(w)
+    _check_dtype("W", w, np.float32)
+    _check_ndim("W", w, 2, "[N, K]")
+    n, k = w.shape
+    _check_k(k, f"W of shape {(n, k)}")
+    if n < 1:
+        raise ShapeMismatchError(f"W of shape {(n, k)} must have N >= 1 rows")
+    _check_finite("W", w)
+    w = np.ascontiguousarray(w)
+    qweight = np.empty((n, k // QK, QK // 2), dtype=np.uint8)
+    scales = np.empty((n, k // QK), dtype=np.float32)
+    st = load_library().npu_ime2_quantize_q4_0(_ptr(w), n, k, _ptr(qweight), qweight.nbytes, _ptr(scales),
+                                               scales.nbytes)
+    _raise_for(st, f"quantize_q4_0(N={n}, K={k})")
+    return qweight, scales
+
+
+def _u8(x: Any) -> np.ndarray:
+    """A read-only uint8 view of bytes / a contiguous uint8 array (never an empty buffer)."""
+    if isinstance(x, np.ndarray) and x.dtype == np.uint8 and x.flags.c_contiguous and x.size:
+        return x
+    buf = np.frombuffer(bytes(x), dtype=np.uint8) if not isinstance(x, np.ndarray) else np.ascontiguousarray(x, np.uint8)
+    return buf if buf.size else np.zeros(1, dtype=np.uint8)
+
+
+def gemm_packed(a_packed: Any, b_packed: Any, m: int, k: int, n: int, *, path: str = "auto",
+                threads: int = 1, out: np.ndarray | None = None) -> np.ndarray:
+    """``C [M, N]`` float32 from :func:`quantize_a` and :func:`pack_b` output (bytes or uint8
+    arrays) on the given C path, the N tiles split over ``threads`` threads (1 .. 256).
+
+    ``out``: an optional C-contiguous float32 ``[M, N]`` array to write into.
 
     Raises:
         PathError: ``path`` is not one of ``PATHS`` or is not built into the library.
-        KDimensionError, ShapeMismatchError: bad shapes or buffers too small for them.
+        KDimensionError, ShapeMismatchError: bad shapes, buffers too small for them, bad threads.
     """
     if path not in PATHS:
         raise PathError(f"path={path!r} is not one of {', '.join(map(repr, PATHS))}")
-    a_buf = np.frombuffer(bytes(a_packed) or b"\0", dtype=np.uint8)
-    b_buf = np.frombuffer(bytes(b_packed) or b"\0", dtype=np.uint8)
-    c = np.empty((max(m, 0), max(n, 0)), dtype=np.float32)
+    if not 1 <= int(threads) <= 256:
+        raise ShapeMismatchError(f"threads={threads} must be between 1 and 256")
+    a_len = a_packed.nbytes if isinstance(a_packed, np.ndarray) else len(a_packed)
+    b_len = b_packed.nbytes if isinstance(b_packed, np.ndarray) else len(b_packed)
+    a_buf, b_buf = _u8(a_packed), _u8(b_packed)
+    shape = (max(int(m), 0), max(int(n), 0))
+    if out is None:
+        c = np.empty(shape, dtype=np.float32)
+    else:
+        if out.shape != shape or out.dtype != np.float32 or not out.flags.c_contiguous:
+            raise ShapeMismatchError(f"out must be a C-contiguous float32 array of shape {shape}, got "
+                                     f"{out.dtype} {tuple(out.shape)}")
+        c = out
     c_ptr = c if c.size else np.empty(1, dtype=np.float32)
-    st = load_library().npu_ime2_gemm(_ptr(a_buf), len(a_packed), _ptr(b_buf), len(b_packed), int(m), int(k),
-                                      int(n), _ptr(c_ptr), c.nbytes, PATHS[path])
-    _raise_for(st, f"gemm(M={m}, K={k}, N={n}, path={path!r})")
+    st = load_library().npu_ime2_gemm_mt(_ptr(a_buf), a_len, _ptr(b_buf), b_len, int(m), int(k), int(n),
+                                         _ptr(c_ptr), c.nbytes, PATHS[path], int(threads))
+    extra = f", threads={threads}" if int(threads) != 1 else ""
+    _raise_for(st, f"gemm(M={m}, K={k}, N={n}, path={path!r}{extra})")
     return c
 
 
