@@ -258,7 +258,9 @@ def enter_ai_cores(
     thread id (default: the calling thread's native id, which is the pid on the main thread)
     is written as decimal text to ``<root>/set_ai_thread``, then ``setaffinity(0, a100_cores)``
     moves the calling thread. Off a K3: nothing but the log line. One line is logged at INFO
-    either way.
+    either way. Only the calling thread moves: threads started before the fence (a torch
+    OpenMP pool, the kernel's GEMM threads are started per call and inherit the new affinity)
+    stay where they were, so call it before starting long-lived worker threads.
 
     Args:
         layout: proc root and core sets.
