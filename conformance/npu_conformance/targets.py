@@ -148,19 +148,18 @@ def _probe_neuron_hw() -> Availability:
     return Availability(True, f"Neuron devices: {', '.join(nodes)}")
 
 
-def _probe_ime2_hw(cpuinfo: str = "/proc/cpuinfo") -> Availability:
+def _probe_ime2_hw(proc_root: str = "/proc") -> Availability:
+    """A SpacemiT K3 by the core fence's own rule (``vllm_npu.ime2.fence.detect_k3``), with the kernel."""
     machine = platform.machine()
     if machine != "riscv64":
         return Availability(False, f"host is {machine}, not riscv64 (needs a SpacemiT K3 board)")
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as fh:
-            info = fh.read().lower()
-    except OSError as exc:
-        return Availability(False, f"cannot read {cpuinfo}: {exc}")
-    if "spacemit" not in info and "k3" not in info:
-        return Availability(False, f"{cpuinfo} names no SpacemiT K3 core")
+    from vllm_npu.ime2 import fence
+
+    found = fence.detect_k3(fence.CoreLayout(proc_root=proc_root))
+    if not found.is_k3:
+        return Availability(False, f"not a SpacemiT K3: {found.reason}")
     failed = _seam_reason("vllm_npu.ime2", "ime2_hp_gemm_cpu")
-    return failed or Availability(True, "SpacemiT K3 with the IME2 kernel")
+    return failed or Availability(True, f"SpacemiT K3 ({found.reason}) with the IME2 kernel")
 
 
 #: Every target, in report-column order: the reference first, then each device's sim and hw.

@@ -64,12 +64,15 @@ def test_hardware_probes_name_the_failed_import_or_device():
     assert "/dev/neuron" in tg.availability("neuron-hw").reason
 
 
-def test_ime2_hw_probe_reads_cpuinfo(tmp_path, monkeypatch):
+def test_ime2_hw_probe_uses_the_fence_rule(tmp_path, monkeypatch):
     monkeypatch.setattr(tg.platform, "machine", lambda: "riscv64")
-    info = tmp_path / "cpuinfo"
-    info.write_text("isa : rv64imafdcv\nuarch : thead,c910\n")
-    assert tg._probe_ime2_hw(str(info)).reason.endswith("names no SpacemiT K3 core")
-    assert "cannot read" in tg._probe_ime2_hw(str(tmp_path / "missing")).reason
+    (tmp_path / "cpuinfo").write_text("isa : rv64imafdcv\nuarch : thead,c910\n")
+    reason = tg._probe_ime2_hw(str(tmp_path)).reason
+    assert reason.startswith("not a SpacemiT K3: ") and "no K3 marker" in reason
+    assert "is not readable" in tg._probe_ime2_hw(str(tmp_path / "missing")).reason
+    (tmp_path / "cpuinfo").write_text("isa : rv64imafdcv\nuarch : spacemit,x100\n")
+    avail = tg._probe_ime2_hw(str(tmp_path))
+    assert avail.available and "spacemit,x100" in avail.reason
 
 
 def test_a_crashing_probe_becomes_a_reason(monkeypatch):

@@ -16,6 +16,10 @@ are chunked or batched (BLAS picks different float32 kernels for different row c
 alone moves float32 logits by ~1e-5) while staying within ~1e-5 of transformers' float32
 forward. The float64 copies of the weights double the memory of a float32 model (fine for
 the tiny models this reference is meant for). Logits are returned as float32.
+
+Linear layers: ``linear="float"`` (default) as above; ``linear="q4x32"`` evaluates every attention
+and MLP projection with the IME2 Q4_0x32 GEMM of :mod:`npusim.q4x32` (hardware level), q/k/v and
+gate/up fused as vLLM fuses them; see :mod:`npusim.llm.qlinear`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, KVCacheOverflowError
 from .kvcache import KVCache
+from .qlinear import FusedQ4Linear, check_linear_kind
 from .rope import apply_rope
 from .safetensors import load_safetensors
 
@@ -98,7 +103,7 @@ class Decoder:
         dtype: dtype of weights, activations and KV caches (float16, float32 or float64).
     """
 
-    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32, *, source: str = "weights") -> None:
+    def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], dtype: np.dtype | type = np.float32, *, source: str = "weights", linear: str = "float") -> None:
         """Check ``weights`` against ``config`` and keep them (rounded to ``dtype``, held as float64 for evaluation).
 
         Args:
@@ -106,12 +111,17 @@ class Decoder:
             weights: HF tensor name -> array (extra tensors are ignored).
             dtype: float16, float32 (default) or float64.
             source: where the weights came from, for error messages.
+            linear: ``"float"`` (default) or ``"q4x32"`` (:mod:`npusim.llm.qlinear`): the
+                projections quantized once to Q4_0 and run through the IME2 GEMM model.
 
         Raises:
             CheckpointError: a tensor is missing or its shape differs from the one ``config``
                 implies (both shapes are named).
+            UnsupportedLinearError: unknown ``linear``, or (``q4x32``) a projection whose K is
+                not a multiple of 32.
             ValueError: unsupported ``dtype``.
         """
+        self.linear = check_linear_kind(linear)
         dt = np.dtype(dtype)
         if dt not in _SUPPORTED_DTYPES:
             raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
@@ -158,19 +168,37 @@ class Decoder:
                     "bd": w.get(p + "mlp.down_proj.bias"),
                 }
             )
+        # linear="q4x32": per layer, the fused GEMMs quantized once (vLLM's fusion and order)
+        self._q4: list[dict[str, FusedQ4Linear]] | None = None
+        if self.linear == "q4x32":
+            self._q4 = []
+            for i, L in enumerate(self._layers):
+                src = f"{source} layer {i}"
+                self._q4.append(
+                    {
+                        "qkv": FusedQ4Linear([L["wq"], L["wk"], L["wv"]], ["q_proj", "k_proj", "v_proj"], source=src),
+                        "o": FusedQ4Linear([L["wo"]], ["o_proj"], source=src),
+                        "gate_up": FusedQ4Linear([L["wg"], L["wu"]], ["gate_proj", "up_proj"], source=src),
+                        "down": FusedQ4Linear([L["wd"]], ["down_proj"], source=src),
+                    }
+                )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: np.dtype | type = np.float32) -> Decoder:
+    def from_pretrained(cls, model_dir: str | os.PathLike, dtype: np.dtype | type = np.float32, *, linear: str = "float") -> Decoder:
         """Load ``config.json`` and the safetensors weights (single file or sharded) of an HF model directory.
+
+        ``linear`` as in :class:`Decoder` (``"float"`` or ``"q4x32"``).
 
         Raises:
             CheckpointError: missing/malformed config or weights, missing tensor, shape mismatch.
             UnsupportedModelError: the config asks for an unsupported feature.
+            UnsupportedLinearError: unknown ``linear`` (checked before reading the checkpoint).
         """
+        check_linear_kind(linear)
         d = Path(model_dir)
         config = load_config(d)
         weights = load_safetensors(d)
-        return cls(config, weights, dtype=dtype, source=str(d))
+        return cls(config, weights, dtype=dtype, source=str(d), linear=linear)
 
     # ------------------------------------------------------------------ public API
 
@@ -367,9 +395,15 @@ class Decoder:
         h = np.concatenate(xs).astype(dt, copy=False)
         for li, L in enumerate(self._layers):
             x = _rms_norm(h, L["ln1"], eps, dt)
-            q = self._linear(x, L["wq"], L["bq"]).reshape(n_tok, nh, hd)
-            k = self._linear(x, L["wk"], L["bk"]).reshape(n_tok, nkv, hd)
-            v = self._linear(x, L["wv"], L["bv"]).reshape(n_tok, nkv, hd)
+            if self._q4 is None:
+                q = self._linear(x, L["wq"], L["bq"])
+                k = self._linear(x, L["wk"], L["bk"])
+                v = self._linear(x, L["wv"], L["bv"])
+            else:
+                q, k, v = self._q4[li]["qkv"](x, (L["bq"], L["bk"], L["bv"]), dt)
+            q = q.reshape(n_tok, nh, hd)
+            k = k.reshape(n_tok, nkv, hd)
+            v = v.reshape(n_tok, nkv, hd)
             if c.qk_norm:
                 q = _rms_norm(q, L["qn"], eps, dt)
                 k = _rms_norm(k, L["kn"], eps, dt)
@@ -391,12 +425,24 @@ class Decoder:
                 probs = probs.astype(dt).astype(_ACC)  # HF rounds the probabilities to the model dtype
                 out = probs @ vals[:, None]  # [nkv, G, n, hd]
                 attn[s : s + n] = out.transpose(2, 0, 1, 3).reshape(n, nh, hd)
-            h = (h.astype(_ACC) + self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])).astype(dt)
+            if self._q4 is None:
+                o = self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])
+            else:
+                (o,) = self._q4[li]["o"](attn.reshape(n_tok, nh * hd), (L["bo"],), dt)
+            h = (h.astype(_ACC) + o).astype(dt)
             x = _rms_norm(h, L["ln2"], eps, dt)
-            g = self._linear(x, L["wg"], L["bg"]).astype(_ACC)
-            u = self._linear(x, L["wu"], L["bu"]).astype(_ACC)
+            if self._q4 is None:
+                g = self._linear(x, L["wg"], L["bg"])
+                u = self._linear(x, L["wu"], L["bu"])
+            else:
+                g, u = self._q4[li]["gate_up"](x, (L["bg"], L["bu"]), dt)
+            g, u = g.astype(_ACC), u.astype(_ACC)
             mlp = (_silu(g).astype(dt).astype(_ACC) * u).astype(dt)
-            h = (h.astype(_ACC) + self._linear(mlp, L["wd"], L["bd"])).astype(dt)
+            if self._q4 is None:
+                d = self._linear(mlp, L["wd"], L["bd"])
+            else:
+                (d,) = self._q4[li]["down"](mlp, (L["bd"],), dt)
+            h = (h.astype(_ACC) + d).astype(dt)
         h = _rms_norm(h, self._final_norm, eps, dt)
         logits = (h.astype(_ACC) @ self._lm_head.T).astype(dt).astype(np.float32)
         for cache, n in zip(caches, lens):
