@@ -15,6 +15,11 @@ unquantized method (so bf16/fp32 checkpoints and the fused q/k/v and gate/up loa
 unchanged); ``process_weights_after_loading`` packs it and deletes the parameter, so the float
 copy is freed and only the packed tiles stay resident.
 
+On a SpacemiT K3 the thread that loads the model passes the core fence before the first
+weight is packed (:mod:`vllm_npu.ime2.fence`: kernel loaded on the X100 cores, then the thread
+moves to the A100 cores, whose IME2 instructions the ``ime2`` path needs); elsewhere the fence
+only logs that this is not a K3.
+
 The kernel call is the torch custom op ``torch.ops.npu_harness.ime2_q4_linear`` (opaque to
 ``torch.compile``; its fake implementation gives the output shape), so compiled and eager
 mode both work.
@@ -34,7 +39,7 @@ from vllm.model_executor.layers.quantization.base_config import QuantizationConf
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import set_weight_attrs
 
-from . import kernel
+from . import fence, kernel
 from .linear import PackedQ4Weight, default_threads
 
 __all__ = [
@@ -144,7 +149,17 @@ class Ime2Q4LinearMethod(LinearMethodBase):
         set_weight_attrs(weight, extra_weight_attrs)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        """Quantize and pack ``layer.weight`` once, then delete the float parameter."""
+        """Quantize and pack ``layer.weight`` once, then delete the float parameter.
+
+        The first call in a process passes the K3 core fence (:func:`fence.enter_ai_cores_once`:
+        on a SpacemiT K3 the kernel is loaded on the X100 cores, then this thread, the one that
+        runs the forward passes, moves to the A100 cores; elsewhere one log line) and logs the
+        kernel path once.
+
+        Raises:
+            vllm_npu.ime2.fence errors: a K3 whose core fence fails (e.g. no ``/proc/set_ai_thread``).
+        """
+        fence.enter_ai_cores_once(logger=logger)
         _log_path_once()
         _define_op()
         name = getattr(layer, "prefix", "") or "weight"
