@@ -27,7 +27,6 @@ mode both work.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from typing import Any
@@ -60,8 +59,6 @@ logger = logging.getLogger("vllm.vllm_npu.ime2")
 
 _LOCK = threading.Lock()
 _PATH_LOGGED = False
-_HANDLES = itertools.count(1)
-_WEIGHTS: dict[int, PackedQ4Weight] = {}
 _OP_DEFINED = False
 
 
@@ -88,7 +85,12 @@ def _log_path_once() -> None:
 
 
 def _define_op() -> None:
-    """Define ``torch.ops.npu_harness.ime2_q4_linear(x, handle, n)`` once per process."""
+    """Define ``torch.ops.npu_harness.ime2_q4_linear(x, layer_name, n)`` once per process.
+
+    The op finds its layer as vLLM's attention op does: by name in the forward context's
+    ``no_compile_layers`` (the model's ``static_forward_context``), so a compiled graph holds
+    only the name, never a process-specific handle, and two models in one process stay apart.
+    """
     global _OP_DEFINED
     with _LOCK:
         if _OP_DEFINED:
@@ -98,11 +100,14 @@ def _define_op() -> None:
         except (AttributeError, RuntimeError):
 
             @torch.library.custom_op("npu_harness::ime2_q4_linear", mutates_args=(), device_types="cpu")
-            def _op(x: torch.Tensor, handle: int, n: int) -> torch.Tensor:
-                return _apply_nan_rows(_WEIGHTS[handle], x)
+            def _op(x: torch.Tensor, layer_name: str, n: int) -> torch.Tensor:
+                from vllm.forward_context import get_forward_context
+
+                layer = get_forward_context().no_compile_layers[layer_name]
+                return _apply_nan_rows(layer.ime2_weight, x)
 
             @_op.register_fake
-            def _fake(x: torch.Tensor, handle: int, n: int) -> torch.Tensor:
+            def _fake(x: torch.Tensor, layer_name: str, n: int) -> torch.Tensor:
                 return x.new_empty((*x.shape[:-1], n))
 
         _OP_DEFINED = True
@@ -122,11 +127,31 @@ def _apply_nan_rows(packed: PackedQ4Weight, x: torch.Tensor) -> torch.Tensor:
     return y.masked_fill(~finite.unsqueeze(-1), float("nan"))
 
 
+def _register_layer(layer: torch.nn.Module) -> None:
+    """Put ``layer`` in the model's ``static_forward_context`` under its prefix (for the op).
+
+    Raises:
+        Ime2QuantError: the layer has no prefix or the prefix is already taken.
+    """
+    from vllm.config import get_current_vllm_config
+
+    prefix = getattr(layer, "prefix", "")
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    if not prefix or prefix in context:
+        raise Ime2QuantError(
+            f"--quantization {METHOD_NAME}: linear layer {type(layer).__name__} has "
+            f"{'no prefix' if not prefix else f'the prefix {prefix!r}, already used by another layer'}; "
+            "each quantized layer needs a unique name"
+        )
+    context[prefix] = layer
+
+
 class Ime2Q4LinearMethod(LinearMethodBase):
     """Float weights at load (like vLLM's unquantized method), packed Q4_0 tiles afterwards.
 
     Raises (from :meth:`create_weights`):
         vllm_npu.ime2.kernel.KDimensionError: the layer's input size is not a multiple of 32.
+        Ime2QuantError: the layer has no unique prefix (the op finds it by name).
     """
 
     def create_weights(self, layer: torch.nn.Module, input_size_per_partition: int,
@@ -140,6 +165,7 @@ class Ime2Q4LinearMethod(LinearMethodBase):
                 f"not a multiple of {kernel.QK} (K % 32 = {k % kernel.QK}); the Q4_0 tile quantizes "
                 f"blocks of 32 inputs. Serve this model without --quantization {METHOD_NAME}."
             )
+        _register_layer(layer)
         weight_loader = extra_weight_attrs.pop("weight_loader")
         weight = ModelWeightParameter(
             data=torch.empty(sum(output_partition_sizes), k, dtype=params_dtype),
@@ -164,14 +190,12 @@ class Ime2Q4LinearMethod(LinearMethodBase):
         _define_op()
         name = getattr(layer, "prefix", "") or "weight"
         packed = PackedQ4Weight.from_float(layer.weight.data, name=name)
-        handle = next(_HANDLES)
-        _WEIGHTS[handle] = packed
-        layer.ime2_handle = handle
+        layer.ime2_weight = packed
         layer.ime2_n = packed.n
         del layer.weight  # frees the float copy; only the packed tiles stay
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        y = torch.ops.npu_harness.ime2_q4_linear(x, layer.ime2_handle, layer.ime2_n)
+        y = torch.ops.npu_harness.ime2_q4_linear(x, layer.prefix, layer.ime2_n)
         return y if bias is None else y + bias
 
 
