@@ -12,6 +12,8 @@ Stated bounds (measured values are recorded in ``docs/benchmarks.md``):
   against the **unquantized** golden decoder, over the generated positions of a 64-token prompt.
 * ``NMSE_Q4_BOUND``: the same against the golden decoder with ``linear="q4x32"`` (same weight
   and activation quantization), which must be far smaller: it shows the kernel really ran.
+* ``NMSE_BF16_BOUND``: a ``dtype="bfloat16"`` run's first generated position against the
+  float32 q4x32 golden decoder (the difference is bf16 rounding).
 * ``TIE_TOL``: greedy tokens must equal the q4x32 golden decoder's; a differing token is
   accepted only where the golden decoder's top two logits are closer than this, and reported.
 """
@@ -38,6 +40,8 @@ pytestmark = pytest.mark.slow
 NMSE_FLOAT_BOUND = 2.5e-1
 NMSE_Q4_BOUND = 1e-6
 TIE_TOL = 0.05
+#: bf16 run, first generated position, against the fp32 q4x32 golden decoder (bf16 rounding only).
+NMSE_BF16_BOUND = 2e-2
 MAX_TOKENS = 16
 #: llama: untied LM head; qwen2: q/k/v biases (added after the kernel); qwen3: q/k norms, tied.
 ARCHS = ("llama", "qwen2", "qwen3")
@@ -58,10 +62,11 @@ def _env(**extra: str) -> dict[str, str]:
     return env
 
 
-def _run_probe(model: Path, out: Path, prompts: list[list[int]]) -> subprocess.CompletedProcess:
+def _run_probe(model: Path, out: Path, prompts: list[list[int]], dtype: str = "float32") -> subprocess.CompletedProcess:
     prompt_file = out.with_suffix(".prompts.json")
     prompt_file.write_text(json.dumps(prompts))
-    return subprocess.run([sys.executable, str(PROBE), str(model), str(out), str(prompt_file), str(MAX_TOKENS)],
+    return subprocess.run([sys.executable, str(PROBE), str(model), str(out), str(prompt_file), str(MAX_TOKENS),
+                           dtype],
                           capture_output=True, text=True, env=_env(), timeout=START_TIMEOUT_S)
 
 
@@ -125,6 +130,17 @@ def test_every_linear_layer_is_packed_once_and_never_again(probe):
     assert [c["packs_after"] for c in probe["calls"]] == [probe["packs_after_load"]] * 2
 
 
+def test_linear_layers_are_packed_and_their_float_weights_freed(probe):
+    mods = probe["modules"]
+    assert mods["linear"] and mods["linear_packed"] == mods["linear"]
+    assert mods["linear_with_float_weight"] == []
+    # embeddings, the LM head (tied or not) and the norms keep vLLM's float weights
+    others = mods["others_with_float_weight"]
+    assert "model.embed_tokens" in others and any(n.endswith("input_layernorm") for n in others)
+    if probe["arch"] == "llama":
+        assert "lm_head" in others
+
+
 def test_the_kernel_path_is_logged_once(probe):
     lines = [ln for ln in probe["log"].splitlines() if KERNEL_LINE in ln]
     assert len(lines) == 1, lines
@@ -172,6 +188,25 @@ def test_greedy_tokens_agree_with_the_q4x32_golden_decoder(probe):
         print(f"{what}: NMSE vs q4x32 golden decoder {nmse:.3e}")
         assert nmse < NMSE_Q4_BOUND
     print(f"accepted near-tie divergences: {divergences or 'none'}")
+
+
+def test_bfloat16_generates_with_packed_weights(tiny_model_dir, tmp_path):
+    """A bf16 model (vLLM casts the fp32 checkpoint): packed once from bf16 weights, floats freed,
+    and the first position's log-probs close to the fp32 q4x32 golden decoder's."""
+    model = tiny_model_dir("llama")
+    prompts = _prompts(json.loads((model / "config.json").read_text())["vocab_size"])[:1]
+    proc = _run_probe(model, tmp_path / "bf16.json", prompts, dtype="bfloat16")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    data = json.loads((tmp_path / "bf16.json").read_text())
+    out = data["calls"][0]["outputs"][0]
+    assert len(out["tokens"]) == MAX_TOKENS and np.isfinite(np.array(out["logprobs"])).all()
+    assert data["modules"]["linear_packed"] == data["modules"]["linear"]
+    assert data["modules"]["linear_with_float_weight"] == []
+    assert data["calls"][1]["packs_after"] == data["packs_after_load"] > 0
+    ref = _golden_steps(_q4_decoder(model), prompts[0], out["tokens"][:1])
+    nmse = _nmse(ref, np.array(out["logprobs"][:1]))
+    print(f"bf16: NMSE of the first position vs the fp32 q4x32 golden decoder {nmse:.3e}")
+    assert nmse < NMSE_BF16_BOUND
 
 
 def test_bad_k_fails_at_create_weights_naming_the_layer(tiny_model_dir, tmp_path):
