@@ -256,6 +256,44 @@ def test_non_cpu_platform_is_rejected(monkeypatch):
         config_cls()
 
 
+_FAKE_PLATFORM = """
+from vllm.platforms.cpu import CpuPlatform
+from vllm.platforms.interface import PlatformEnum
+
+
+class FakeNpuPlatform(CpuPlatform):
+    \"\"\"vLLM's CPU platform under another identity: is_cpu() is False.\"\"\"
+
+    _enum = PlatformEnum.OOT
+    device_name = "fakenpu"
+
+
+def activate():
+    return "fake_npu_platform.FakeNpuPlatform"
+"""
+
+
+def test_non_cpu_platform_fails_llm_start_up(tiny_model_dir, tmp_path):
+    """End to end: an out-of-tree platform plugin (vLLM's CPU platform with another identity,
+    installed through a ``vllm.platform_plugins`` entry point) is active, and ``vllm.LLM(...,
+    quantization="ime2_q4")`` stops at configuration with our message."""
+    (tmp_path / "fake_npu_platform.py").write_text(_FAKE_PLATFORM)
+    info = tmp_path / "fake_npu_platform-0.0.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: fake-npu-platform\nVersion: 0.0.0\n")
+    (info / "entry_points.txt").write_text("[vllm.platform_plugins]\nfakenpu = fake_npu_platform:activate\n")
+    env = _env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH", "")]))
+    code = ("from vllm import LLM\n"
+            f"LLM({str(tiny_model_dir('llama'))!r}, quantization='ime2_q4', dtype='float32', max_model_len=512)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode != 0
+    # raised as UnsupportedPlatformError; vLLM's pydantic VllmConfig re-raises it as a
+    # ValidationError carrying the message
+    assert "--quantization ime2_q4 runs only on vLLM's CPU platform, but the current platform is " \
+           "FakeNpuPlatform (device 'fakenpu')" in proc.stderr
+
+
 def test_register_is_idempotent():
     from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED
     from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS
