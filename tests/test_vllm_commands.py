@@ -11,10 +11,8 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -23,7 +21,6 @@ import pytest
 pytest.importorskip("vllm")
 pytestmark = pytest.mark.slow
 
-START_TIMEOUT_S = 600
 
 
 def _vllm() -> str:
@@ -36,11 +33,6 @@ def _env() -> dict[str, str]:
                TOKENIZERS_PARALLELISM="false")
     return env
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _post(url: str, body: dict) -> dict:
@@ -58,38 +50,9 @@ def test_vllm_version_command():
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    model = tiny_model_dir("llama")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("vllm-serve") / "serve.log"
-    cmd = [_vllm(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--max-model-len", "512", "--max-num-seqs", "8", "--dtype", "float32",
-           "--gpu-memory-utilization", "0.1", "--seed", "0"]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {START_TIMEOUT_S} s:\n"
-                            f"{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield {"base": base, "model": model, "log": log}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def server(tiny_model_dir, serve_vllm):
+    return serve_vllm(tiny_model_dir("llama"), "--max-model-len", "512", "--max-num-seqs", "8",
+                      "--dtype", "float32", "--gpu-memory-utilization", "0.1", "--seed", "0")
 
 
 def test_vllm_serve_greedy_completion_equals_the_golden_decoder(server, golden_decoder):

@@ -23,10 +23,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -317,48 +315,13 @@ def test_general_plugin_entry_point_is_installed():
 # vllm serve --quantization ime2_q4 (one server)
 
 
-def _vllm() -> str:
-    return shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir, tmp_path_factory):
-    model = tiny_model_dir("llama")
-    port = _free_port()
-    log = tmp_path_factory.mktemp("ime2-serve") / "serve.log"
-    cmd = [_vllm(), "serve", str(model), "--quantization", "ime2_q4", "--host", "127.0.0.1", "--port",
-           str(port), "--max-model-len", "512", "--max-num-seqs", "8", "--dtype", "float32",
-           "--gpu-memory-utilization", "0.1", "--seed", "0"]
-    with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=_env())
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + START_TIMEOUT_S
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"vllm serve exited {proc.returncode}:\n{log.read_text()[-4000:]}")
-            try:
-                with urllib.request.urlopen(base + "/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vllm serve not healthy after {START_TIMEOUT_S} s:\n{log.read_text()[-4000:]}")
-            time.sleep(1)
-        yield {"base": base, "model": model, "log": log}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def server(tiny_model_dir, serve_vllm):
+    return serve_vllm(tiny_model_dir("llama"), "--quantization", "ime2_q4", "--max-model-len", "512",
+                      "--max-num-seqs", "8", "--dtype", "float32", "--gpu-memory-utilization", "0.1",
+                      "--seed", "0")
 
 
 def test_serve_answers_an_openai_completion(server):

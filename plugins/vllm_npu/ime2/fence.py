@@ -234,8 +234,7 @@ def _register(layout: CoreLayout, tid: int, opener: Callable[[Path], TextIO]) ->
         code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         raise SetAiThreadPermissionError(
             f"cannot write thread {tid} to {path}: {code} ({exc.strerror or exc}); run the server as a "
-            f"user allowed to write {path} (root, or grant write access to it at boot), or start it "
-            "on the A100 cores from the outset", path) from exc
+            f"user allowed to write {path} (root, or grant write access to it at boot)", path) from exc
     except OSError as exc:
         code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
         raise SetAiThreadWriteError(
