@@ -102,8 +102,8 @@ static npu_ime2_status check_gemm(int64_t m, int64_t k, int64_t n, size_t c_byte
     return NPU_IME2_OK;
 }
 
-static npu_ime2_status run_path(int path, const uint8_t *a, const uint8_t *b, int64_t m, int64_t k, int64_t n,
-                                float *c)
+npu_ime2_status npu_ime2_run_path(int path, const uint8_t *a, const uint8_t *b, int64_t m, int64_t k, int64_t n,
+                                  float *c)
 {
     if (path == NPU_IME2_PATH_AUTO)
         path = npu_ime2_auto_path();
@@ -133,22 +133,34 @@ static npu_ime2_status run_path(int path, const uint8_t *a, const uint8_t *b, in
 
 static int path_known(int path) { return path >= NPU_IME2_PATH_AUTO && path < NPU_IME2_PATH_COUNT; }
 
-npu_ime2_status npu_ime2_gemm(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes, int64_t m,
-                              int64_t k, int64_t n, float *c, size_t c_bytes, int path)
+npu_ime2_status npu_ime2_gemm_check(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes,
+                                    int64_t m, int64_t k, int64_t n, const float *c, size_t c_bytes, int path,
+                                    size_t *b_need)
 {
     if (!a_packed || !b_packed || !c)
         return NPU_IME2_ERR_NULL_POINTER;
     if (!path_known(path))
         return NPU_IME2_ERR_BAD_PATH;
-    size_t a_need, b_need;
-    npu_ime2_status st = check_gemm(m, k, n, c_bytes, &a_need, &b_need);
+    size_t a_need;
+    npu_ime2_status st = check_gemm(m, k, n, c_bytes, &a_need, b_need);
     if (st != NPU_IME2_OK)
         return st;
-    if (a_bytes < a_need || b_bytes < b_need)
+    if (a_bytes < a_need || b_bytes < *b_need)
         return NPU_IME2_ERR_BAD_SHAPE; /* the inputs are too small for the stated shapes */
+    return NPU_IME2_OK;
+}
+
+npu_ime2_status npu_ime2_gemm(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes, int64_t m,
+                              int64_t k, int64_t n, float *c, size_t c_bytes, int path)
+{
+    size_t b_need;
+    const npu_ime2_status st =
+        npu_ime2_gemm_check(a_packed, a_bytes, b_packed, b_bytes, m, k, n, c, c_bytes, path, &b_need);
+    if (st != NPU_IME2_OK)
+        return st;
     if (m == 0 || n == 0)
         return NPU_IME2_OK;
-    return run_path(path, (const uint8_t *)a_packed, (const uint8_t *)b_packed, m, k, n, c);
+    return npu_ime2_run_path(path, (const uint8_t *)a_packed, (const uint8_t *)b_packed, m, k, n, c);
 }
 
 npu_ime2_status npu_ime2_hp_gemm(const float *a, const uint8_t *qweight, const float *scales, int64_t m, int64_t k,
@@ -180,7 +192,7 @@ npu_ime2_status npu_ime2_hp_gemm(const float *a, const uint8_t *qweight, const f
     if (st == NPU_IME2_OK)
         st = npu_ime2_pack_b(qweight, scales, n, k, bp, b_need);
     if (st == NPU_IME2_OK)
-        st = run_path(NPU_IME2_PATH_AUTO, ap, bp, m, k, n, c);
+        st = npu_ime2_run_path(NPU_IME2_PATH_AUTO, ap, bp, m, k, n, c);
     free(ap);
     free(bp);
     return st;

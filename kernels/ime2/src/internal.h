@@ -87,6 +87,15 @@ void npu_ime2_gemm_portable(const uint8_t *a_packed, const uint8_t *b_packed, in
 void npu_ime2_gemm_portable_tail(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
                                  float *c);
 
+/* Every argument check of npu_ime2_gemm, in its order (dispatch.c); *b_need: bytes of packed B. */
+npu_ime2_status npu_ime2_gemm_check(const void *a_packed, size_t a_bytes, const void *b_packed, size_t b_bytes,
+                                    int64_t m, int64_t k, int64_t n, const float *c, size_t c_bytes, int path,
+                                    size_t *b_need);
+/* Runs `path` (AUTO resolved here) on checked operands with M, N >= 1; a path this CPU cannot run
+ * returns its npu_ime2_path_status before any work (dispatch.c). */
+npu_ime2_status npu_ime2_run_path(int path, const uint8_t *a, const uint8_t *b, int64_t m, int64_t k, int64_t n,
+                                  float *c);
+
 /* Optional paths (dispatch.c): each is defined by its own source file, which the build adds
  * together with -DNPU_IME2_HAVE_<PATH>. They receive validated shapes with M, N >= 1 and are
  * only called after their usable check passed. */

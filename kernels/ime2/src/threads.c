@@ -16,8 +16,7 @@
 #include "internal.h"
 
 typedef struct {
-    const uint8_t *a, *b;
-    size_t a_bytes, b_bytes;
+    const uint8_t *a, *b; /* b: the slice's first tile */
     int64_t m, k, n_cols;
     float *out; /* [M, n_cols] slice of the scratch */
     int path;
@@ -27,8 +26,7 @@ typedef struct {
 static void *run_slice(void *arg)
 {
     slice_job *j = (slice_job *)arg;
-    const size_t bytes = (size_t)j->m * (size_t)j->n_cols * sizeof(float);
-    j->status = npu_ime2_gemm(j->a, j->a_bytes, j->b, j->b_bytes, j->m, j->k, j->n_cols, j->out, bytes, j->path);
+    j->status = npu_ime2_run_path(j->path, j->a, j->b, j->m, j->k, j->n_cols, j->out);
     return NULL;
 }
 
@@ -39,26 +37,10 @@ npu_ime2_status npu_ime2_gemm_mt(const void *a_packed, size_t a_bytes, const voi
         return NPU_IME2_ERR_BAD_SHAPE;
     if (threads == 1 || m < 1 || n <= TILE_N)
         return npu_ime2_gemm(a_packed, a_bytes, b_packed, b_bytes, m, k, n, c, c_bytes, path);
-    /* the checks of npu_ime2_gemm, once, before any thread starts */
-    if (!a_packed || !b_packed || !c)
-        return NPU_IME2_ERR_NULL_POINTER;
-    if (path < NPU_IME2_PATH_AUTO || path >= NPU_IME2_PATH_COUNT)
-        return NPU_IME2_ERR_BAD_PATH;
-    if (!k_ok(k))
-        return NPU_IME2_ERR_BAD_K;
-    if (m > NPU_IME2_MAX_DIM || n > NPU_IME2_MAX_DIM)
-        return NPU_IME2_ERR_BAD_SHAPE;
-    npu_ime2_status st;
-    size_t a_need, b_need, c_need;
-    if ((st = npu_ime2_a_packed_size(m, k, &a_need)) != NPU_IME2_OK ||
-        (st = npu_ime2_b_packed_size(n, k, &b_need)) != NPU_IME2_OK)
+    size_t b_need; /* the checks of npu_ime2_gemm, once, before any thread starts */
+    npu_ime2_status st = npu_ime2_gemm_check(a_packed, a_bytes, b_packed, b_bytes, m, k, n, c, c_bytes, path, &b_need);
+    if (st != NPU_IME2_OK)
         return st;
-    if (!mul3_size(m, n, (int64_t)sizeof(float), &c_need))
-        return NPU_IME2_ERR_BAD_SHAPE;
-    if (c_bytes < c_need)
-        return NPU_IME2_ERR_BUFFER_TOO_SMALL;
-    if (a_bytes < a_need || b_bytes < b_need)
-        return NPU_IME2_ERR_BAD_SHAPE;
     if (path == NPU_IME2_PATH_AUTO)
         path = npu_ime2_auto_path();
     if ((st = npu_ime2_path_status(path)) != NPU_IME2_OK)
@@ -71,17 +53,16 @@ npu_ime2_status npu_ime2_gemm_mt(const void *a_packed, size_t a_bytes, const voi
     pthread_t tids[NPU_IME2_MAX_THREADS];
     int started[NPU_IME2_MAX_THREADS] = {0};
     int64_t col0s[NPU_IME2_MAX_THREADS];
-    float *scratch = malloc(c_need);
+    float *scratch = malloc((size_t)m * (size_t)n * sizeof(float)); /* fits: checked above */
     if (!scratch)
         return NPU_IME2_ERR_NO_MEMORY;
     for (int i = 0; i < t_count; i++) {
         const int64_t t0 = tiles * i / t_count, t1 = tiles * (i + 1) / t_count;
         const int64_t col0 = t0 * TILE_N, col1 = t1 * TILE_N < n ? t1 * TILE_N : n;
         col0s[i] = col0;
-        jobs[i] = (slice_job){.a = a_packed, .a_bytes = a_bytes,
-                              .b = (const uint8_t *)b_packed + (size_t)t0 * tile_bytes,
-                              .b_bytes = (size_t)(t1 - t0) * tile_bytes, .m = m, .k = k, .n_cols = col1 - col0,
-                              .out = scratch + (size_t)m * (size_t)col0, .path = path, .status = NPU_IME2_OK};
+        jobs[i] = (slice_job){.a = a_packed, .b = (const uint8_t *)b_packed + (size_t)t0 * tile_bytes, .m = m,
+                              .k = k, .n_cols = col1 - col0, .out = scratch + (size_t)m * (size_t)col0,
+                              .path = path, .status = NPU_IME2_OK};
     }
     for (int i = 1; i < t_count; i++)
         started[i] = pthread_create(&tids[i], NULL, run_slice, &jobs[i]) == 0;
