@@ -143,3 +143,21 @@ def test_mt_gemm_is_bit_identical_and_writes_nothing_on_error():
     with pytest.raises(kernel.PathError):
         kernel.gemm_packed(a, lin.packed, m, k, n, threads=4, path="rvv", out=out)
     assert (out == 7.0).all()
+
+
+def test_quant_method_gives_nan_rows_for_non_finite_activations():
+    """vLLM's profile run feeds uninitialised rows: those come out NaN; the other rows are what the
+    kernel gives with those rows zeroed (a 4-row group shares its activation scales)."""
+    quant = pytest.importorskip("vllm_npu.ime2.quant")
+    lin = PackedQ4Weight.from_float(weights(40, 64, 8), name="qkv")
+    x = torch.randn(6, 64)
+    assert torch.equal(quant._apply_nan_rows(lin, x), lin.apply(x))
+    bad = x.clone()
+    bad[1, 7] = float("nan")
+    bad[3, 0] = float("inf")
+    zeroed = x.clone()
+    zeroed[[1, 3]] = 0
+    y = quant._apply_nan_rows(lin, bad)
+    assert torch.isnan(y[[1, 3]]).all()
+    keep = [0, 2, 4, 5]
+    assert torch.equal(y[keep], lin.apply(zeroed)[keep])

@@ -378,11 +378,13 @@ def quantize_a_array(a: Any) -> np.ndarray:
         DTypeError, ShapeMismatchError, KDimensionError, NonFiniteError: bad inputs.
     """
     a = _activations(_to_numpy(a, "A"), None)
-    _check_finite("A", a)
     m, k = a.shape
     size = a_packed_size(m, k)
     out = np.empty(max(size, 1), dtype=np.uint8)
-    _raise_for(load_library().npu_ime2_quantize_a(_ptr(a), m, k, _ptr(out), size), f"quantize_a(M={m}, K={k})")
+    st = load_library().npu_ime2_quantize_a(_ptr(a), m, k, _ptr(out), size)
+    if st == Status.NON_FINITE:
+        _check_finite("A", a)  # the C check is the only pass on the hot path; this names the value
+    _raise_for(st, f"quantize_a(M={m}, K={k})")
     return out[:size]
 
 
@@ -403,12 +405,13 @@ def quantize_q4_0(w: Any) -> tuple[np.ndarray, np.ndarray]:
     _check_k(k, f"W of shape {(n, k)}")
     if n < 1:
         raise ShapeMismatchError(f"W of shape {(n, k)} must have N >= 1 rows")
-    _check_finite("W", w)
     w = np.ascontiguousarray(w)
     qweight = np.empty((n, k // QK, QK // 2), dtype=np.uint8)
     scales = np.empty((n, k // QK), dtype=np.float32)
     st = load_library().npu_ime2_quantize_q4_0(_ptr(w), n, k, _ptr(qweight), qweight.nbytes, _ptr(scales),
                                                scales.nbytes)
+    if st == Status.NON_FINITE:
+        _check_finite("W", w)  # names the first non-finite value
     _raise_for(st, f"quantize_q4_0(N={n}, K={k})")
     return qweight, scales
 

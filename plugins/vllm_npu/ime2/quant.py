@@ -118,11 +118,15 @@ def _apply_nan_rows(packed: PackedQ4Weight, x: torch.Tensor) -> torch.Tensor:
 
     The kernel rejects NaN/Inf activations (``NonFiniteError``), but vLLM's profile run and
     padded batch slots feed rows of uninitialised memory. Such rows are zeroed for the kernel
-    and come out as NaN, as a float GEMM would give; finite rows are unaffected.
+    and come out as NaN, as a float GEMM would give; the finite rows get the kernel's result for
+    the batch with those rows zeroed (a 4-row group shares its activation scales). The kernel's own
+    finite check decides, so finite activations (every call but those) take no extra pass.
     """
-    finite = torch.isfinite(x).all(dim=-1)
-    if bool(finite.all()):
+    try:
         return packed.apply(x)
+    except kernel.NonFiniteError:
+        pass
+    finite = torch.isfinite(x).all(dim=-1)
     y = packed.apply(torch.where(finite.unsqueeze(-1), x, torch.zeros((), dtype=x.dtype)))
     return y.masked_fill(~finite.unsqueeze(-1), float("nan"))
 
