@@ -74,26 +74,10 @@ typedef struct {
 static void load_group(const uint8_t *a_packed, int64_t row0, int rows, int grouped, int64_t s, int64_t s_count,
                        a_group *g)
 {
-    const uint8_t *blk, *asum_p[ROW_GROUP], *rel_p[SUBBLOCKS], *q_p[ROW_GROUP][SUBBLOCKS], *sa_p;
-    if (grouped) {
-        blk = a_packed + (size_t)(row0 * s_count * A_ROW) + (size_t)s * A_GROUP;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            rel_p[j] = blk + A_GROUP_STRIDE * j;
-            for (int r = 0; r < rows; r++)
-                q_p[r][j] = blk + A_GROUP_STRIDE * j + 8 + QK * r;
-        }
-        for (int r = 0; r < rows; r++)
-            asum_p[r] = blk + A_GROUP_ASUM + 16 * r;
-        sa_p = blk + A_GROUP_SA;
-    } else {
-        blk = a_packed + (size_t)(row0 * s_count * A_ROW) + (size_t)s * A_ROW;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            rel_p[j] = blk + A_ROW_STRIDE * j;
-            q_p[0][j] = blk + A_ROW_STRIDE * j + 2;
-        }
-        asum_p[0] = blk + A_ROW_ASUM;
-        sa_p = blk + A_ROW_SA;
-    }
+    a_row_ptrs p[ROW_GROUP]; /* the rows of a group share rel_j and scale_avg: read row 0's */
+    for (int r = 0; r < rows; r++)
+        a_row_locate_kind(a_packed, row0 + r, grouped, s, s_count, &p[r]);
+    const uint8_t *const *rel_p = p[0].rel, *sa_p = p[0].sa;
     memset(g->hi, 0, sizeof g->hi);
     memset(g->lo, 0, sizeof g->lo);
     for (int j = 0; j < SUBBLOCKS; j++) {
@@ -101,9 +85,9 @@ static void load_group(const uint8_t *a_packed, int64_t row0, int rows, int grou
         g->rel_d[j] = f16_to_double(rel);
         g->rel16_d[j] = f16_to_double(f16_mul(rel, 0x4c00u /* 16.0 */));
         for (int r = 0; r < rows; r++) {
-            g->asum8_d[r][j] = f16_to_double(get_f16(asum_p[r] + 2 * j));
+            g->asum8_d[r][j] = f16_to_double(get_f16(p[r].asum + 2 * j));
             for (int b = 0; b < QK / 2; b++) {
-                const uint8_t q0 = q_p[r][j][2 * b], q1 = q_p[r][j][2 * b + 1];
+                const uint8_t q0 = p[r].q[j][2 * b], q1 = p[r].q[j][2 * b + 1];
                 /* q >> 4 as a 4-bit two's-complement nibble is bits 7:4 of the byte */
                 g->hi[j][16 * r + b] = (uint8_t)((q0 >> 4) | (q1 & 0xf0u));
                 g->lo[j][16 * r + b] = (uint8_t)((q0 & 0x0fu) | ((q1 & 0x0fu) << 4));

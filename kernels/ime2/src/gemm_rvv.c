@@ -77,24 +77,17 @@ typedef struct {
 static void view_a(const uint8_t *a_packed, int64_t row0, int rows, int grouped, int64_t s, int64_t s_count,
                    a_view *v)
 {
-    if (grouped) {
-        const uint8_t *blk = a_packed + (size_t)(row0 * s_count * A_ROW) + (size_t)s * A_GROUP;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            v->rel[j] = blk + A_GROUP_STRIDE * j;
-            for (int r = 0; r < rows; r++)
-                v->q[r][j] = blk + A_GROUP_STRIDE * j + 8 + QK * r;
+    for (int r = 0; r < rows; r++) {
+        a_row_ptrs p;
+        a_row_locate_kind(a_packed, row0 + r, grouped, s, s_count, &p);
+        for (int j = 0; j < SUBBLOCKS; j++)
+            v->q[r][j] = p.q[j];
+        v->asum[r] = p.asum;
+        if (r == 0) { /* the rows of a group share these slots */
+            for (int j = 0; j < SUBBLOCKS; j++)
+                v->rel[j] = p.rel[j];
+            v->sa = p.sa;
         }
-        for (int r = 0; r < rows; r++)
-            v->asum[r] = blk + A_GROUP_ASUM + 16 * r;
-        v->sa = blk + A_GROUP_SA;
-    } else {
-        const uint8_t *blk = a_packed + (size_t)(row0 * s_count * A_ROW) + (size_t)s * A_ROW;
-        for (int j = 0; j < SUBBLOCKS; j++) {
-            v->rel[j] = blk + A_ROW_STRIDE * j;
-            v->q[0][j] = blk + A_ROW_STRIDE * j + 2;
-        }
-        v->asum[0] = blk + A_ROW_ASUM;
-        v->sa = blk + A_ROW_SA;
     }
 }
 

@@ -56,11 +56,11 @@ typedef struct {
     const uint8_t *sa;             /* fp16 scale_avg */
 } a_row_ptrs;
 
-static inline void a_row_locate(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s, int64_t s_count,
-                                a_row_ptrs *p)
+/* The same for a row whose kind is known: `grouped` = it belongs to a 4-row group. */
+static inline void a_row_locate_kind(const uint8_t *a_packed, int64_t row, int grouped, int64_t s, int64_t s_count,
+                                     a_row_ptrs *p)
 {
-    const int64_t grouped_rows = (m / ROW_GROUP) * ROW_GROUP;
-    if (row < grouped_rows) {
+    if (grouped) {
         const int r = (int)(row % ROW_GROUP);
         const uint8_t *blk = a_packed + (size_t)((row - r) * s_count * A_ROW) + (size_t)s * A_GROUP;
         for (int j = 0; j < SUBBLOCKS; j++) {
@@ -78,6 +78,12 @@ static inline void a_row_locate(const uint8_t *a_packed, int64_t m, int64_t row,
         p->asum = blk + A_ROW_ASUM;
         p->sa = blk + A_ROW_SA;
     }
+}
+
+static inline void a_row_locate(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s, int64_t s_count,
+                                a_row_ptrs *p)
+{
+    a_row_locate_kind(a_packed, row, row < (m / ROW_GROUP) * ROW_GROUP, s, s_count, p);
 }
 
 /* Portable GEMM on packed operands (shapes and sizes already validated). */
