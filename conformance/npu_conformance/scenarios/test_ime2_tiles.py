@@ -27,6 +27,24 @@ SHAPES = [  # (M, K, N): tails, K not a multiple of 256, and two seed (K, N) sha
 ]
 
 
+def operands(seed: int, shape: tuple[int, int, int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A [M, K] ~ N(0, 1) and the Q4_0 quantization of a W [N, K] ~ N(0, 1), per seed and shape."""
+    import npusim.q4x32 as q
+
+    m, k, n = shape
+    rng = np.random.default_rng([seed, m, k, n])
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    return (a, *q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32)))
+
+
+def bits_differing(got: np.ndarray, model: np.ndarray, *, nan_equal: bool = False) -> int:
+    """Elements whose float32 bits differ (with ``nan_equal``, two NaNs count as equal)."""
+    differ = got.view(np.uint32) != model.view(np.uint32)
+    if nan_equal:
+        differ &= ~(np.isnan(got) & np.isnan(model))
+    return int(np.count_nonzero(differ))
+
+
 @pytest.mark.scenario(devices=("ime2",))
 @pytest.mark.parametrize("path", ["portable", "rvv"])
 @pytest.mark.parametrize("vlen", [128, 1024])
@@ -38,9 +56,7 @@ def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen, path):
     from npu_conformance import qemu_ime2
 
     m, k, n = shape
-    rng = np.random.default_rng([3, m, k, n])
-    a = rng.standard_normal((m, k)).astype(np.float32)
-    qweight, scales = q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
+    a, qweight, scales = operands(3, shape)
 
     res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path, timeout=120)
     assert res.status == 0, res.text
@@ -48,7 +64,7 @@ def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen, path):
     record.figure("qemu_wall_s", res.seconds, "s")
 
     model = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
-    mismatched = int(np.count_nonzero(res.c.view(np.uint32) != model.view(np.uint32)))
+    mismatched = bits_differing(res.c, model)
     record.figure("bits_differing_from_model", mismatched, "elements")
     assert mismatched == 0, f"{mismatched} of {m * n} elements differ from npusim.q4x32 hardware"
 
@@ -73,22 +89,19 @@ def test_ime2_path_matches_hardware_model_at_vlen_1024(target, record, shape, mo
     from npu_conformance import qemu_ime2
 
     m, k, n = shape
-    rng = np.random.default_rng([4, m, k, n])
-    a = rng.standard_normal((m, k)).astype(np.float32)
-    qweight, scales = q.quantize_q4_0(rng.standard_normal((n, k)).astype(np.float32))
-    monkeypatch.setenv("NPU_IME2_EMU_COUNT", "1")  # the emulator reports the .hp count on stderr
+    a, qweight, scales = operands(4, shape)
+    monkeypatch.setenv(qemu_ime2.EMU_ENV["count"], "1")  # the emulator reports the .hp count on stderr
 
     res = qemu_ime2.run(a, qweight, scales, vlen=1024, path="ime2", timeout=120)
     assert res.status == 0, res.text
     assert res.guards_ok and res.vlenb == 128
     record.figure("qemu_wall_s", res.seconds, "s")
-    for line in res.stderr.splitlines():
-        if line.startswith("npu_ime2_emu: emulated="):
-            record.figure("hp_instructions", int(line.split("=", 1)[1]), "instructions")
+    emulated = qemu_ime2.emulated_count(res.stderr)
+    if emulated is not None:
+        record.figure("hp_instructions", emulated, "instructions")
 
     model = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
-    both_nan = np.isnan(res.c) & np.isnan(model)
-    mismatched = int(np.count_nonzero((res.c.view(np.uint32) != model.view(np.uint32)) & ~both_nan))
+    mismatched = bits_differing(res.c, model, nan_equal=True)
     record.figure("bits_differing_from_model", mismatched, "elements")
     assert mismatched == 0, f"{mismatched} of {m * n} elements differ from npusim.q4x32 hardware"
 
@@ -99,12 +112,9 @@ def test_ime2_path_refuses_below_vlen_1024(target, vlen):
     """Below VLEN 1024 the IME2 path returns NPU_IME2_ERR_WRONG_VLEN: no crash, no C, guards intact."""
     if target.name != "ime2-qemu":
         pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
-    import npusim.q4x32 as q
     from npu_conformance import qemu_ime2
 
-    rng = np.random.default_rng([5, vlen])
-    a = rng.standard_normal((5, 288)).astype(np.float32)
-    qweight, scales = q.quantize_q4_0(rng.standard_normal((70, 288)).astype(np.float32))
+    a, qweight, scales = operands(5, (5, 288, 70))
     res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path="ime2", timeout=120)
     assert (res.status, qemu_ime2.STATUS[res.status]) == (6, "WRONG_VLEN"), res.text
     assert res.c is None and res.guards_ok and res.vlenb == vlen // 8

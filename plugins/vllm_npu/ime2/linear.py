@@ -59,13 +59,9 @@ def default_threads() -> int:
     return max(1, min(cores, _MAX_THREADS))
 
 
-def _is_tensor(x: Any) -> bool:
-    return type(x).__module__.startswith("torch")
-
-
 def _float32_matrix(w: Any, what: str) -> np.ndarray:
     """A float32 C-contiguous numpy copy/view of a torch tensor or array (bf16 tensors included)."""
-    if _is_tensor(w):
+    if kernel._is_tensor(w):
         import torch
 
         w = w.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
@@ -166,7 +162,7 @@ class PackedQ4Weight:
             kernel.ShapeMismatchError: the last dimension of ``x`` is not K.
             kernel.NonFiniteError: ``x`` holds NaN or Inf.
         """
-        if _is_tensor(x):
+        if kernel._is_tensor(x):
             import torch
 
             lead = tuple(x.shape[:-1])
