@@ -162,7 +162,9 @@ def _check_core_mode(value: object, *, name: str) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or value not in CORE_MODES:
-        raise MbltConfigError(f"{name}={value!r} is not a core mode: expected one of {list(CORE_MODES)}")
+        raise MbltConfigError(
+            f"{name}={value!r} is not a core mode: expected one of {list(CORE_MODES)}"
+        )
     return value
 
 
@@ -221,7 +223,8 @@ def resolve_positive_int(raw: object, *, name: str, core_mode: str | None) -> in
             name, key, value, core_mode,
         )
         return value
-    logger.warning("Could not resolve %s from model config for core_mode=%s: %r", name, core_mode, raw)
+    logger.warning("Could not resolve %s from model config for core_mode=%s: %r",
+                   name, core_mode, raw)
     return None
 
 
@@ -288,7 +291,9 @@ def _parse_dev_no(raw: object) -> tuple[int, ...]:
 
 def _parse_index(text: str, *, key: str, entry: object, what: str, limit: int | None) -> int:
     if not text.isdecimal():
-        raise MbltConfigError(f"{key} entry {entry!r}: {what} {text!r} is not a non-negative integer")
+        raise MbltConfigError(
+            f"{key} entry {entry!r}: {what} {text!r} is not a non-negative integer"
+        )
     value = int(text)
     if limit is not None and value >= limit:
         raise MbltConfigError(f"{key} entry {entry!r}: {what} {value} must be in 0..{limit - 1}")
@@ -307,7 +312,8 @@ def _parse_target_cores(raw: object, default_dev: int) -> tuple[str, ...]:
             parts = [str(default_dev), *parts]
         if len(parts) != 3:
             raise MbltConfigError(
-                f"target_cores entry {entry!r} must be 'd:c:k' (device:cluster:core) or legacy 'c:k'"
+                f"target_cores entry {entry!r} must be 'd:c:k' (device:cluster:core) "
+                "or legacy 'c:k'"
             )
         dev = _parse_index(parts[0], key="target_cores", entry=entry, what="device", limit=None)
         cluster = _parse_index(parts[1], key="target_cores", entry=entry, what="cluster",
@@ -332,7 +338,8 @@ def _parse_target_clusters(raw: object, default_dev: int) -> tuple[str, ...]:
             parts = entry.split(":")
             if len(parts) != 2:
                 raise MbltConfigError(
-                    f"target_clusters entry {entry!r} must be 'd:c' (device:cluster) or a legacy int"
+                    f"target_clusters entry {entry!r} must be 'd:c' (device:cluster) "
+                    "or a legacy int"
                 )
         else:
             raise MbltConfigError(
@@ -478,7 +485,9 @@ def resolve_core_mode(overrides: LayoutOverrides, hf_config: Mapping[str, object
     return _check_core_mode(hf_config.get("core_mode"), name="config.json core_mode")
 
 
-def resolve_max_batch_size(overrides: LayoutOverrides, hf_config: Mapping[str, object]) -> int | None:
+def resolve_max_batch_size(
+    overrides: LayoutOverrides, hf_config: Mapping[str, object]
+) -> int | None:
     """The model's batch capacity (sequences): the first value that resolves among the loader
     extra config ``max_batch_size``, then ``config.json`` ``max_batch_size``, then
     ``npu_max_batch_size``, each through :func:`resolve_positive_int` with the resolved core
@@ -598,7 +607,8 @@ def plan_scheduler(
             caching), or the model config / overrides break a resolution rule.
     """
     user_max_num_seqs = _user_positive(user_max_num_seqs, "max_num_seqs")
-    user_max_num_batched_tokens = _user_positive(user_max_num_batched_tokens, "max_num_batched_tokens")
+    user_max_num_batched_tokens = _user_positive(user_max_num_batched_tokens,
+                                                 "max_num_batched_tokens")
     user_block_size = _user_positive(user_block_size, "block_size")
     if user_enable_prefix_caching is not None and not isinstance(user_enable_prefix_caching, bool):
         raise MbltConfigError(
@@ -606,7 +616,8 @@ def plan_scheduler(
         )
 
     block_size = DEFAULT_BLOCK_SIZE if user_block_size is None else user_block_size
-    enable_prefix_caching = True if user_enable_prefix_caching is None else user_enable_prefix_caching
+    enable_prefix_caching = (True if user_enable_prefix_caching is None
+                             else user_enable_prefix_caching)
     core_mode = resolve_core_mode(overrides, hf_config)
     resolved_batch = resolve_max_batch_size(overrides, hf_config)
     max_batch_size = 1 if resolved_batch is None else resolved_batch
@@ -618,8 +629,10 @@ def plan_scheduler(
         logger.info("Setting scheduler max_num_seqs to model-configured max batch size %d.",
                     max_num_seqs)
     elif user_max_num_seqs > max_batch_size:
-        logger.warning("Clamping scheduler max_num_seqs from %d to model-configured max batch size %d.",
-                       user_max_num_seqs, max_batch_size)
+        logger.warning(
+            "Clamping scheduler max_num_seqs from %d to model-configured max batch size %d.",
+            user_max_num_seqs, max_batch_size,
+        )
         max_num_seqs = max_batch_size
     else:
         max_num_seqs = user_max_num_seqs
@@ -632,25 +645,20 @@ def plan_scheduler(
                     user_max_num_batched_tokens, chunk)
         chunk = user_max_num_batched_tokens
 
-    if max_num_seqs > 1:
-        plan = SchedulerPlan(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk * max_num_seqs,
-            long_prefill_token_threshold=chunk, max_num_partial_prefills=max_num_seqs,
-            max_long_partial_prefills=max_num_seqs, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, max_batch_size=max_batch_size,
-            core_mode=core_mode, prefill_chunk=chunk,
-        )
-    else:
-        plan = SchedulerPlan(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk,
-            long_prefill_token_threshold=chunk, max_num_partial_prefills=1,
-            max_long_partial_prefills=1, block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching, max_batch_size=max_batch_size,
-            core_mode=core_mode, prefill_chunk=chunk,
-        )
+    # max_num_seqs > 1: every scheduled sequence may prefill a chunk per step, and as many
+    # partial prefills as sequences. With max_num_seqs == 1 the same formulas give one chunk
+    # per step and one partial prefill.
+    plan = SchedulerPlan(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk * max_num_seqs,
+        long_prefill_token_threshold=chunk, max_num_partial_prefills=max_num_seqs,
+        max_long_partial_prefills=max_num_seqs, block_size=block_size,
+        enable_prefix_caching=enable_prefix_caching, max_batch_size=max_batch_size,
+        core_mode=core_mode, prefill_chunk=chunk,
+    )
     logger.info(
         "MBLT chunked prefill: chunk=%d tokens, max_num_batched_tokens=%d, "
-        "long_prefill_token_threshold=%d, max_num_partial_prefills=%d, max_long_partial_prefills=%d.",
+        "long_prefill_token_threshold=%d, max_num_partial_prefills=%d, "
+        "max_long_partial_prefills=%d.",
         plan.prefill_chunk, plan.max_num_batched_tokens, plan.long_prefill_token_threshold,
         plan.max_num_partial_prefills, plan.max_long_partial_prefills,
     )
