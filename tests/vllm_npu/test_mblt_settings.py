@@ -157,6 +157,7 @@ def test_core_targets_round_trip(dev, cluster, core):
     ({"target_cores": ["0:0:0:0"]}, ["'0:0:0:0'", "d:c:k"]),
     ({"target_cores": ["a:0:0"]}, ["'a:0:0'", "device 'a'"]),
     ({"target_cores": ["-1:0:0"]}, ["'-1:0:0'", "device '-1'"]),
+    ({"target_cores": ["\u0661:0:0"]}, ["device '\u0661'"]),
     ({"target_cores": ["0:0", "0:0:0"]}, ["more than once"]),
     ({"target_clusters": [2]}, ["target_clusters entry 2", "cluster 2"]),
     ({"target_clusters": [True]}, ["target_clusters entry True"]),
@@ -243,7 +244,8 @@ def test_single_entry_under_auto_is_logged_at_info(caplog):
     assert "'global4'=256" in caplog.records[0].getMessage()
 
 
-@pytest.mark.parametrize("raw", [0, -1, True, False, 1.0, "", "abc", "-5", "0", [64], {"single": "x"}])
+@pytest.mark.parametrize("raw", [0, -1, True, False, 1.0, "", "abc", "-5", "0", "\u0663", [64],
+                                 {"single": "x"}])
 def test_resolve_positive_int_rejects(raw):
     with pytest.raises(MbltConfigError, match="npu_prefill_chunk_size"):
         resolve_positive_int(raw, name="npu_prefill_chunk_size", core_mode="single")

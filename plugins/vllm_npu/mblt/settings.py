@@ -101,6 +101,10 @@ def parse_boolish(value: object, *, name: str) -> bool:
     )
 
 
+def _is_ascii_digits(text: str) -> bool:
+    return text.isascii() and text.isdecimal()
+
+
 def parse_int(value: object, *, name: str, minimum: int) -> int:
     """Parse an int ``>= minimum``: an int (not a bool) or a decimal digit string.
 
@@ -112,7 +116,7 @@ def parse_int(value: object, *, name: str, minimum: int) -> int:
         parsed = None
     elif isinstance(value, int):
         parsed = value
-    elif isinstance(value, str) and value.strip().isdecimal():
+    elif isinstance(value, str) and _is_ascii_digits(value.strip()):
         parsed = int(value.strip())
     else:
         parsed = None
@@ -290,7 +294,7 @@ def _parse_dev_no(raw: object) -> tuple[int, ...]:
 
 
 def _parse_index(text: str, *, key: str, entry: object, what: str, limit: int | None) -> int:
-    if not text.isdecimal():
+    if not _is_ascii_digits(text):
         raise MbltConfigError(
             f"{key} entry {entry!r}: {what} {text!r} is not a non-negative integer"
         )
