@@ -1,0 +1,52 @@
+"""vllm_npu.mblt.runtime: the target -> runtime-module seam."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+
+from vllm_npu.mblt.runtime import MbltRuntimeUnavailable, load_runtime
+
+
+@pytest.mark.parametrize(("target_name", "module"), [("mblt-sim", "npusim.mxq"), ("mblt-hw", "qbruntime")])
+def test_target_imports_its_module_by_name(target_name, module):
+    sentinel = types.ModuleType(module)
+    seen = []
+
+    def importer(name):
+        seen.append(name)
+        return sentinel
+
+    assert load_runtime(target_name, import_module=importer) is sentinel
+    assert seen == [module]
+
+
+def test_sim_target_is_the_npusim_mxq_module():
+    import npusim.mxq
+
+    assert load_runtime("mblt-sim") is npusim.mxq
+
+
+def test_missing_hw_runtime_names_module_and_install_command():
+    def importer(name):
+        raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+    with pytest.raises(MbltRuntimeUnavailable, match=r"'qbruntime'.*pip install mobilint-qb-runtime") as info:
+        load_runtime("mblt-hw", import_module=importer)
+    assert isinstance(info.value, RuntimeError)
+    assert isinstance(info.value.__cause__, ImportError)
+
+
+def test_missing_sim_runtime_names_module():
+    def importer(name):
+        raise ImportError("broken")
+
+    with pytest.raises(MbltRuntimeUnavailable, match=r"'npusim\.mxq'"):
+        load_runtime("mblt-sim", import_module=importer)
+
+
+@pytest.mark.parametrize("target_name", ["rbln-sim", "mblt", "", None])
+def test_other_targets_are_value_errors(target_name):
+    with pytest.raises(ValueError, match="has no Mobilint runtime"):
+        load_runtime(target_name)
