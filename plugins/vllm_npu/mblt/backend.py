@@ -319,6 +319,11 @@ class MbltBackend:
             return []
         groups = group_rows(rows)
         for model_idx, positions in groups.items():
+            if self.k_per_model == 1 and len(positions) > 1:
+                raise MbltBackendError(
+                    f"{len(positions)} rows on model_idx={model_idx}, whose MXQ is not "
+                    "batch-compiled (k_per_model=1): one row per instance per call"
+                )
             seen: set[int] = set()
             for pos in positions:
                 row = rows[pos]
@@ -329,11 +334,6 @@ class MbltBackend:
                         f"cache_id={row.cache_id}) in one step"
                     )
                 seen.add(row.cache_id)
-            if self.k_per_model == 1 and len(positions) > 1:
-                raise MbltBackendError(
-                    f"{len(positions)} rows on model_idx={model_idx}, whose MXQ is not "
-                    "batch-compiled (k_per_model=1): one row per instance per call"
-                )
         jobs = [(idx, [rows[p] for p in pos]) for idx, pos in groups.items()]
         if len(jobs) == 1:
             results = [self._infer_model(*jobs[0])]
