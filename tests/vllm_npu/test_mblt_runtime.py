@@ -50,3 +50,21 @@ def test_missing_sim_runtime_names_module():
 def test_other_targets_are_value_errors(target_name):
     with pytest.raises(ValueError, match="has no Mobilint runtime"):
         load_runtime(target_name)
+
+
+def test_adapter_modules_import_no_runtime_torch_or_vllm():
+    """The adapter reaches qbruntime/npusim only through load_runtime, and never needs torch or
+    vLLM (a fresh interpreter, since this test session may have imported them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import vllm_npu.mblt.backend, vllm_npu.mblt.dispatch, vllm_npu.mblt.placement\n"
+        "import vllm_npu.mblt.runtime, vllm_npu.mblt.tracing, vllm_npu.mblt.errors\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'vllm', 'qbruntime', 'npusim'))\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"

@@ -29,7 +29,14 @@ from typing import Any, Literal
 
 import numpy as np
 
-from vllm_npu.mblt.dispatch import OutputLayout, Row, group_rows, output_rows, split_rows, stack_embeds
+from vllm_npu.mblt.dispatch import (
+    OutputLayout,
+    Row,
+    group_rows,
+    output_rows,
+    split_rows,
+    stack_embeds,
+)
 from vllm_npu.mblt.errors import BackendCapacityError, MbltBackendError, MobilintBackendAllocError
 from vllm_npu.mblt.placement import (
     CORE_MODES,

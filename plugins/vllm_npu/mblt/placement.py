@@ -217,10 +217,9 @@ def make_slot_config(runtime: Any, placement: Placement, dev: int, index_on_dev:
         what: object = None
     elif mode == "single":
         what = slot_cores(placement, dev, index_on_dev, n_on_dev)
-        ok = mc.set_single_core_mode(None, [
-            runtime.CoreId(getattr(runtime.Cluster, f"Cluster{c}"), getattr(runtime.Core, f"Core{k}"))
-            for c, k in what
-        ])
+        core_ids = [runtime.CoreId(getattr(runtime.Cluster, f"Cluster{c}"),
+                                   getattr(runtime.Core, f"Core{k}")) for c, k in what]
+        ok = mc.set_single_core_mode(None, core_ids)
     elif mode in ("multi", "global4"):
         what = placement.clusters_for(dev)
         clusters = [getattr(runtime.Cluster, f"Cluster{c}") for c in what]

@@ -50,7 +50,8 @@ def active_tracer() -> MbltTracer | None:
 def _external_trace_owner() -> str | None:
     for name in EXTERNAL_TRACE_MODULES:
         module = sys.modules.get(name)
-        if module is not None and getattr(module, "_ACTIVE_QBRUNTIME_TRACE_HANDLE", None) is not None:
+        handle = getattr(module, "_ACTIVE_QBRUNTIME_TRACE_HANDLE", None) if module else None
+        if handle is not None:
             return name
     return None
 
