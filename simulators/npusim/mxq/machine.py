@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
@@ -52,6 +53,10 @@ from .types import Cluster, Core, CoreId
 __all__ = ["ENV_VAR", "Device", "Settings", "configure", "device", "reset", "settings"]
 
 ENV_VAR = "NPUSIM_MXQ"
+
+# Guards clocks, core tables and counters: qbruntime callers run infers of different Models
+# from worker threads (the simulated cost's sleep happens outside it).
+_lock = threading.RLock()
 
 ALL_CORES: tuple[CoreId, ...] = tuple(
     CoreId(cl, co) for cl in (Cluster.Cluster0, Cluster.Cluster1) for co in (Core.Core0, Core.Core1, Core.Core2, Core.Core3)
@@ -132,13 +137,15 @@ class Device:
         Returns:
             ``(start_us, end_us)`` on the device clock.
         """
-        start = self.clock_us
-        self.clock_us += float(cost_us)
+        with _lock:
+            start = self.clock_us
+            self.clock_us += float(cost_us)
+            end = self.clock_us
         if settings().pace and wall_start is not None:
             remaining = cost_us / 1e6 - (time.perf_counter() - wall_start)
             if remaining > 0:
                 time.sleep(remaining)
-        return start, self.clock_us
+        return start, end
 
 
 @dataclass
@@ -224,35 +231,39 @@ def memory_bytes() -> int:
 def note_launch() -> bool:
     """Count one launch; True if the ``bad_alloc_at_launch`` fault fires for it."""
     s = settings()
-    _state.launches += 1
+    with _lock:
+        _state.launches += 1
     return s.bad_alloc_at_launch is not None and _state.launches == s.bad_alloc_at_launch
 
 
 def infer_fault() -> str | None:
     """The injected status if this infer must fail (counted), else None."""
     s = settings()
-    if s.infer_fail_after is None or _state.infers_ok < s.infer_fail_after:
-        return None
-    if _state.infer_failures >= s.infer_fail_times:
-        return None
-    _state.infer_failures += 1
-    return s.infer_fail_status
+    with _lock:
+        if s.infer_fail_after is None or _state.infers_ok < s.infer_fail_after:
+            return None
+        if _state.infer_failures >= s.infer_fail_times:
+            return None
+        _state.infer_failures += 1
+        return s.infer_fail_status
 
 
 def note_infer_ok() -> None:
     """Count one successful infer."""
     settings()
-    _state.infers_ok += 1
+    with _lock:
+        _state.infers_ok += 1
 
 
 def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]]) -> list[CoreId] | None:
     """Take the first candidate core group whose cores are all free; None if none is."""
-    for group in candidates:
-        if all(c not in dev.cores_in_use for c in group):
-            for c in group:
-                dev.cores_in_use[c] = owner
-            return list(group)
-    return None
+    with _lock:
+        for group in candidates:
+            if all(c not in dev.cores_in_use for c in group):
+                for c in group:
+                    dev.cores_in_use[c] = owner
+                return list(group)
+        return None
 
 
 def release_cores(dev: Device, owner: int) -> None:
