@@ -38,7 +38,7 @@ from .accelerator import Accelerator
 from .config import ModelConfig
 from .errors import fail
 from .mxqfile import MxqFormatError, read_mxq
-from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode
+from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
 
 __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
 
@@ -262,8 +262,8 @@ class Model:
         v = self._cfg.vocab_size
         return [BufferInfo(1, w, v, 1, w, v, 0)]
 
-    def get_model_input_data_type(self) -> list[Any]:
-        from .types import DataType
+    def get_model_input_data_type(self) -> list[DataType]:
+        """``[DataType.Float32]``: inputs and outputs are float32."""
         return [DataType.Float32]
 
     get_model_output_data_type = get_model_input_data_type
