@@ -73,7 +73,7 @@ def test_conformance_runs_and_writes_both_reports(tmp_path):
     assert len(ref) == 6 and all(r["status"] == "pass" for r in ref)
     assert "| scenario | ref | mblt-sim |" in (tmp_path / "rep" / "report.md").read_text()
     assert "llm_reference.chunked_prefill[llama]" in proc.stdout
-    assert "mblt-sim    unavailable npusim.mxq.Accelerator is not built yet: issue 4" in proc.stdout
+    assert "mblt-sim    available   npusim.mxq (qbruntime surface)" in proc.stdout
 
 
 def test_conformance_rejects_an_unknown_target(tmp_path):
@@ -87,3 +87,47 @@ def test_doctor_require_fails_on_an_unavailable_target_with_its_reason():
     assert proc.returncode == 1
     assert "required target rbln-hw is unavailable: import rebel failed" in proc.stderr
     assert _cli("doctor", "--require", "rbln").returncode == 2
+
+
+def _tiny_hf_dir(path: Path) -> Path:
+    from npusim.llm import ModelConfig, save_safetensors
+    from npusim.tinymodel import make_config, make_weights
+
+    path.mkdir()
+    cfg = make_config("qwen2", vocab_size=64, num_hidden_layers=1, max_position_embeddings=64)
+    (path / "config.json").write_text(json.dumps(cfg))
+    save_safetensors(path / "model.safetensors", make_weights(ModelConfig.from_dict(cfg)))
+    (path / "generation_config.json").write_text("{}")
+    return path
+
+
+def test_mxq_compile_writes_an_artifact_directory(tmp_path):
+    hf = _tiny_hf_dir(tmp_path / "hf")
+    out = tmp_path / "art"
+    proc = _cli("mxq", "compile", str(hf), "--out", str(out), "--max-batch-size", "2", "--max-cache-size", "32",
+                "--core-mode", "auto", "--prefill-chunk-size", '{"single": 16}', "--output-logits", "all")
+    assert proc.returncode == 0, proc.stderr
+    assert f"MXQ artifact written to {out}" in proc.stdout
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.mxq", "model.safetensors"]
+    cfg = json.loads((out / "config.json").read_text())
+    assert (cfg["model_type"], cfg["max_batch_size"], cfg["core_mode"], cfg["npu_prefill_chunk_size"]) == (
+        "mobilint-qwen2", 2, "auto", {"single": 16})
+    from npusim.mxq.mxqfile import read_mxq
+
+    header, _ = read_mxq(out / "model.mxq")
+    assert (header["max_cache_size"], header["max_width"], header["output_logits"]) == (32, 128, "all")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [(["--max-batch-size", "0"], "npu-harness mxq compile: max_batch_size 0 must be an integer >= 1"),
+     (["--max-cache-size", "65"], "max_cache_size 65 must be <= max_position_embeddings 64"),
+     (["--prefill-chunk-size", "x"], "--prefill-chunk-size 'x' must be an integer or a JSON object"),
+     (["--core-mode", "global8", "--max-batch-size", "4"], "core_mode 'global8' is not allowed with max_batch_size 4"),
+     (["--output-logits", "first"], "invalid choice: 'first'")],
+)
+def test_mxq_compile_bad_input_exits_2(tmp_path, args, message):
+    hf = _tiny_hf_dir(tmp_path / "hf")
+    proc = _cli("mxq", "compile", str(hf), "--out", str(tmp_path / "art"), *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr

@@ -1,4 +1,4 @@
-"""The ``npu-harness`` command: ``conformance``, ``doctor``, ``make-model``.
+"""The ``npu-harness`` command: ``conformance``, ``doctor``, ``make-model``, ``mxq compile``.
 
 Device issues add their own subcommands (``mxq compile``...) in :func:`build_parser`.
 """
@@ -77,6 +77,40 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parse_chunk(text: str) -> int | dict:
+    """``--prefill-chunk-size``: an integer or a JSON object; raises ValueError naming the text."""
+    import json
+
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"--prefill-chunk-size {text!r} must be an integer or a JSON object") from None
+    if not isinstance(value, (int, dict)) or isinstance(value, bool):
+        raise ValueError(f"--prefill-chunk-size {text!r} must be an integer or a JSON object")
+    return value
+
+
+def _cmd_mxq_compile(args: argparse.Namespace) -> int:
+    from npusim.llm import CheckpointError, UnsupportedModelError
+    from npusim.mxq.compile import compile_artifact
+
+    try:
+        path = compile_artifact(
+            Path(args.hf_dir), Path(args.out), max_batch_size=args.max_batch_size,
+            max_cache_size=args.max_cache_size, max_width=args.max_width, core_mode=args.core_mode,
+            prefill_chunk_size=_parse_chunk(args.prefill_chunk_size), output_logits=args.output_logits,
+        )
+    except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
+        print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
+        return 2
+    print(f"MXQ artifact written to {path} (model.mxq, config.json, model.safetensors)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="npu-harness",
@@ -104,6 +138,23 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--out", required=True, metavar="DIR")
     mm.add_argument("--seed", type=int, default=0, metavar="N")
     mm.set_defaults(func=_cmd_make_model)
+
+    mxq = sub.add_parser("mxq", help="Mobilint MXQ artifacts for the npusim.mxq simulator")
+    mxq_sub = mxq.add_subparsers(dest="mxq_command", required=True, metavar="MXQ_COMMAND")
+    comp = mxq_sub.add_parser("compile", help="compile a tiny HF checkpoint into an MXQ artifact directory")
+    comp.add_argument("hf_dir", metavar="HF_DIR")
+    comp.add_argument("--out", required=True, metavar="DIR")
+    comp.add_argument("--max-batch-size", type=int, default=1, metavar="K", help="cache ids per model (default 1)")
+    comp.add_argument("--max-cache-size", type=int, default=None, metavar="T",
+                      help="KV capacity in tokens per cache id (default min(max_position_embeddings, 4096))")
+    comp.add_argument("--max-width", type=int, default=None, metavar="W",
+                      help="max tokens per item per infer call (default max(128, largest chunk))")
+    comp.add_argument("--core-mode", default="single", metavar="M",
+                      help="auto, single (default), multi, global4 or global8")
+    comp.add_argument("--prefill-chunk-size", default="128", metavar="INT|JSON",
+                      help='npu_prefill_chunk_size: an integer or e.g. \'{"single": 64, "global4": 256}\'')
+    comp.add_argument("--output-logits", default="last", choices=("last", "all"))
+    comp.set_defaults(func=_cmd_mxq_compile)
     return parser
 
 

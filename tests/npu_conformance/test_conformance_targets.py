@@ -30,9 +30,8 @@ def test_every_probe_answers_with_a_one_line_reason(name):
     assert avail.reason and "\n" not in avail.reason
 
 
-def test_unbuilt_simulators_name_their_issue():
-    assert tg.availability("mblt-sim") == tg.Availability(
-        False, "npusim.mxq.Accelerator is not built yet: issue 4")
+def test_mblt_sim_is_available_and_ime2_qemu_names_what_is_missing():
+    assert tg.availability("mblt-sim") == tg.Availability(True, "npusim.mxq (qbruntime surface)")
     ime2 = tg.availability("ime2-qemu")
     # Available once qemu-riscv64-static and the riscv64 driver are built (the set-up does
     # both); it runs the portable and RVV paths, the IME2 path is still issue 3's. Unavailable

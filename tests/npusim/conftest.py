@@ -62,3 +62,86 @@ def tiny_decoder() -> Callable[..., Any]:
 @pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(1234)
+
+
+# ---------------------------------------------------------------- npusim.mxq fixtures
+
+MXQ_VOCAB = 256
+MXQ_MAX_POSITIONS = 256
+
+
+@pytest.fixture(scope="session")
+def mxq_hf_dir(tmp_path_factory) -> Path:
+    """A tiny llama HF directory (2 layers, vocab 256, 256 positions) written with numpy alone,
+    plus placeholder tokenizer files (only copied by the compiler, never parsed)."""
+    from npusim.llm import ModelConfig, save_safetensors
+    from npusim.tinymodel import make_config, make_weights
+
+    d = tmp_path_factory.mktemp("mxq_hf")
+    cfg = make_config("llama", vocab_size=MXQ_VOCAB, max_position_embeddings=MXQ_MAX_POSITIONS)
+    (d / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+    save_safetensors(d / "model.safetensors", make_weights(ModelConfig.from_dict(cfg), 0))
+    (d / "tokenizer.json").write_text('{"placeholder": true}\n', encoding="utf-8")
+    (d / "tokenizer_config.json").write_text('{"model_max_length": 256}\n', encoding="utf-8")
+    (d / "generation_config.json").write_text('{"do_sample": false}\n', encoding="utf-8")
+    return d
+
+
+@pytest.fixture(scope="session")
+def mxq_artifact(tmp_path_factory, mxq_hf_dir) -> Callable[..., Path]:
+    """``mxq_artifact(**compile_kwargs) -> Path`` of ``model.mxq``, compiled once per kwargs.
+
+    Defaults for tests: ``max_cache_size=64, max_width=16, prefill_chunk_size=16``.
+    """
+    from npusim.mxq.compile import compile_artifact
+
+    cache: dict[str, Path] = {}
+
+    def get(**kwargs: Any) -> Path:
+        kw = {"max_cache_size": 64, "max_width": 16, "prefill_chunk_size": 16, **kwargs}
+        key = json.dumps(kw, sort_keys=True)
+        if key not in cache:
+            out = tmp_path_factory.mktemp("mxq_art")
+            cache[key] = compile_artifact(mxq_hf_dir, out, **kw) / "model.mxq"
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def mxq_golden(mxq_hf_dir):
+    """The golden float32 decoder of ``mxq_hf_dir``."""
+    from npusim.llm import Decoder
+
+    return Decoder.from_pretrained(mxq_hf_dir)
+
+
+@pytest.fixture
+def mxq_machine(monkeypatch):
+    """A fresh simulated machine (no env config, default settings), reset again afterwards."""
+    from npusim.mxq import machine, tracing
+
+    monkeypatch.delenv(machine.ENV_VAR, raising=False)
+    machine.reset()
+    yield machine
+    tracing.stop_tracing_events() if tracing.active() else None
+    machine.reset()
+
+
+@pytest.fixture
+def glog(capsys) -> Callable[[], list[str]]:
+    """``glog()``: the glog details (text after ``"] "``) printed to stderr since the last call."""
+    import re
+
+    line = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d{3} \d+ [\w.]+:\d+\] (.*)$")
+
+    def details() -> list[str]:
+        err = capsys.readouterr().err
+        out = []
+        for text in err.splitlines():
+            m = line.match(text)
+            assert m, f"not a glog line: {text!r}"
+            out.append(m.group(1))
+        return out
+
+    return details

@@ -1,12 +1,46 @@
-"""Drop-in simulator of Mobilint's qbruntime API: MXQ model slots and KV cache ids (not built yet: issue 4)."""
+"""Drop-in numpy simulator of Mobilint's ``qbruntime`` 1.5.0 Python API (text LLM subset).
+
+Use it where ``import qbruntime`` would go::
+
+    import npusim.mxq as qbruntime
+    acc = qbruntime.Accelerator()
+    model = qbruntime.Model("artifact/model.mxq")
+    model.launch(acc)
+    [logits] = model.infer([embeds], None, cache_size)
+
+Modules: :mod:`~npusim.mxq.types` (enums, value classes), :mod:`~npusim.mxq.errors`
+(``QbRuntimeError`` and glog detail lines), :mod:`~npusim.mxq.config` (``ModelConfig``),
+:mod:`~npusim.mxq.machine` (simulated cards, clock, costs, faults; env ``NPUSIM_MXQ``),
+:mod:`~npusim.mxq.accelerator`, :mod:`~npusim.mxq.model`, :mod:`~npusim.mxq.mxqfile` (our
+``.mxq`` format, ``FORMAT.md``), :mod:`~npusim.mxq.tracing`, :mod:`~npusim.mxq.compile`
+(``compile_artifact``, behind ``npu-harness mxq compile``).
+"""
 
 from __future__ import annotations
 
-#: Names this module will provide once built.
-PLANNED: tuple[str, ...] = ("Accelerator", "Model", "ModelConfig", "BatchParam", "QbRuntimeError")
+from .accelerator import Accelerator, get_available_device_numbers, get_available_devices
+from .config import ModelConfig
+from .errors import QbRuntimeError, set_log_threshold
+from .model import Model, ModelVariantHandle, get_model_summary, load
+from .tracing import start_tracing_events, stop_tracing_events
+from .types import (
+    BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, Core, CoreAllocationPolicy, CoreId, CoreMode, DataType, LogLevel,
+)
+
+__version__ = "v1.5.0"
+__git_version__ = "npusim"
+__vendor__ = "Mobilint"
+__product__ = "qbruntime (npusim.mxq simulator)"
 
 
-def __getattr__(name: str):
-    if name in PLANNED:
-        raise NotImplementedError(f"npusim.mxq.{name} is not built yet: issue 4")
-    raise AttributeError(f"module 'npusim.mxq' has no attribute {name!r}")
+def set_log_level(level: LogLevel) -> None:
+    """Minimum severity of the detail lines printed to stderr (``LogLevel.Off`` silences them)."""
+    set_log_threshold(LogLevel(level).value if not isinstance(level, LogLevel) else level.value)
+
+
+__all__ = [
+    "Accelerator", "BatchParam", "BufferInfo", "CacheInfo", "CacheType", "Cluster", "Core", "CoreAllocationPolicy",
+    "CoreId", "CoreMode", "DataType", "LogLevel", "Model", "ModelConfig", "ModelVariantHandle", "QbRuntimeError",
+    "__version__", "get_available_device_numbers", "get_available_devices", "get_model_summary", "load",
+    "set_log_level", "start_tracing_events", "stop_tracing_events",
+]

@@ -1,0 +1,140 @@
+"""``compile_artifact``: turn a tiny HF checkpoint into a Mobilint-layout MXQ artifact directory.
+
+Output directory::
+
+    config.json        HF config + Mobilint keys (model_type mobilint-<arch>, mxq_path, max_batch_size, ...)
+    model.mxq          the simulator's MXQ (FORMAT.md): decoder config + all decoder weights
+    model.safetensors  only model.embed_tokens.weight (the host-side embedding, as Mobilint ships)
+    tokenizer files and generation_config.json copied from the HF directory (those present)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..llm import Decoder, load_config, load_safetensors, save_safetensors
+from .mxqfile import write_mxq
+
+__all__ = ["CORE_MODES", "compile_artifact"]
+
+CORE_MODES: tuple[str, ...] = ("auto", "single", "multi", "global4", "global8")
+ARCH_NAMES: dict[str, str] = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+COPIED_FILES: tuple[str, ...] = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
+)
+MAX_DEFAULT_CACHE = 4096
+
+
+def _positive_int(name: str, v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"{name} {v!r} must be an integer >= 1")
+    return v
+
+
+def _chunk_values(chunk: int | Mapping[str, int]) -> list[int]:
+    """Raises: ValueError for a chunk size that is not an int >= 1 or a dict of core-mode/default keys to such ints."""
+    if isinstance(chunk, Mapping):
+        if not chunk:
+            raise ValueError("prefill_chunk_size dict must not be empty")
+        allowed = CORE_MODES + ("default", "DEFAULT")
+        for k, v in chunk.items():
+            if k not in allowed:
+                raise ValueError(f"prefill_chunk_size key {k!r} must be one of {', '.join(allowed)}")
+            _positive_int(f"prefill_chunk_size[{k!r}]", v)
+        return list(chunk.values())
+    return [_positive_int("prefill_chunk_size", chunk)]
+
+
+def _compiled_modes(core_mode: str, k: int) -> list[str]:
+    if core_mode != "auto":
+        return [core_mode]
+    return ["single"] if k > 1 else ["single", "multi", "global4", "global8"]
+
+
+def compile_artifact(
+    hf_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    max_batch_size: int = 1,
+    max_cache_size: int | None = None,
+    max_width: int | None = None,
+    core_mode: str = "single",
+    prefill_chunk_size: int | Mapping[str, int] = 128,
+    output_logits: str = "last",
+) -> Path:
+    """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
+
+    Args:
+        hf_dir: an HF model directory (config.json + safetensors) of a llama/qwen2/qwen3 model.
+        out_dir: destination (created; our files overwritten).
+        max_batch_size: K, cache ids per Model (>= 1; > 1 needs core_mode single or auto).
+        max_cache_size: T, KV capacity in tokens per cache id; default
+            ``min(max_position_embeddings, 4096)``; ``1 <= T <= max_position_embeddings``.
+        max_width: W, max tokens per item per infer call; default ``max(128, max chunk value)``;
+            must be >= every chunk value.
+        core_mode: auto, single, multi, global4 or global8.
+        prefill_chunk_size: int >= 1, or a dict of core-mode / ``default`` keys to ints >= 1
+            (written to config.json as ``npu_prefill_chunk_size``).
+        output_logits: ``"last"`` (one logits row per item) or ``"all"`` (one per token).
+
+    Returns:
+        ``Path(out_dir)``.
+
+    Raises:
+        ValueError: a value outside its rule (the value and the rule are named), an
+            unsupported model_type.
+        CheckpointError / UnsupportedModelError: the checkpoint cannot be read by the golden decoder.
+    """
+    src, out = Path(hf_dir), Path(out_dir)
+    k = _positive_int("max_batch_size", max_batch_size)
+    if core_mode not in CORE_MODES:
+        raise ValueError(f"core_mode {core_mode!r} must be one of {', '.join(CORE_MODES)}")
+    if k > 1 and core_mode not in ("single", "auto"):
+        raise ValueError(f"core_mode {core_mode!r} is not allowed with max_batch_size {k}: batched MXQs support only single or auto")
+    chunks = _chunk_values(prefill_chunk_size)
+    if output_logits not in ("last", "all"):
+        raise ValueError(f"output_logits {output_logits!r} must be 'last' or 'all'")
+    raw = json.loads((src / "config.json").read_text(encoding="utf-8")) if (src / "config.json").is_file() else None
+    if raw is None:
+        raise ValueError(f"{src} has no config.json (expected a Hugging Face model directory)")
+    if raw.get("model_type") not in ARCH_NAMES:
+        raise ValueError(f"model_type {raw.get('model_type')!r} must be one of {', '.join(ARCH_NAMES)}")
+    cfg = load_config(src)
+    max_pos = cfg.max_position_embeddings
+    t = min(max_pos, MAX_DEFAULT_CACHE) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
+    if t > max_pos:
+        raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
+    w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)
+    if w < max(chunks):
+        raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+    weights = load_safetensors(src)
+    Decoder(cfg, weights, source=str(src))  # validates every tensor the artifact needs
+    arch = cfg.model_type
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output path {str(out)!r} exists and is not a directory")
+    out.mkdir(parents=True, exist_ok=True)
+    header = {
+        "llm_config": raw, "max_batch_size": k, "max_cache_size": t, "max_width": w,
+        "core_modes": _compiled_modes(core_mode, k), "output_logits": output_logits, "target_device": "aries",
+    }
+    write_mxq(out / "model.mxq", header, weights)
+    save_safetensors(out / "model.safetensors", {"model.embed_tokens.weight": weights["model.embed_tokens.weight"]}, metadata={"format": "pt"})
+    config = {k_: v for k_, v in raw.items() if k_ not in ("model_type", "architectures")}
+    config.update(
+        model_type=f"mobilint-{arch}", architectures=[f"Mobilint{ARCH_NAMES[arch]}ForCausalLM"],
+        mxq_path="model.mxq", max_batch_size=k,
+        npu_prefill_chunk_size=dict(prefill_chunk_size) if isinstance(prefill_chunk_size, Mapping) else prefill_chunk_size,
+        core_mode=core_mode, target_device="aries", dev_no=0, max_position_embeddings=max_pos,
+        tie_word_embeddings=False, _name_or_path=str(src),
+    )
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, out / name)
+    return out

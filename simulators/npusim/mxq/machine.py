@@ -1,0 +1,272 @@
+"""The simulated machine behind :mod:`npusim.mxq`: Aries cards, their cores, memory, clock and faults.
+
+This module is the simulator's addition (qbruntime has no such knobs). It is configured by the
+environment variable ``NPUSIM_MXQ`` (a JSON object; read lazily and re-read whenever its value
+changes) and, for tests, by :func:`configure` / :func:`reset`. Fields set with
+:func:`configure` override the environment.
+
+Fields (all optional):
+
+=====================  =========  ==============================================================
+field                  default    meaning
+=====================  =========  ==============================================================
+``devices``            1          number of Aries cards (device numbers ``0 .. devices-1``), >= 0
+``device_memory_mib``  16384      device memory per card, MiB (> 0)
+``infer_fixed_us``     200        ``run npu`` cost per infer call, µs
+``infer_us_per_token`` 50         ``run npu`` cost per input token, µs
+``io_fixed_us``        100        each ``copy to npu`` / ``copy from npu`` / ``read device`` span, µs
+``dump_us_per_kib``    2          ``dump_cache_memory`` cost per KiB read, µs
+``load_us_per_kib``    2          ``load_cache_memory`` cost per KiB written, µs
+``pace``               false      sleep so each infer/dump/load takes at least its simulated cost
+``no_device``          false      every ``Accelerator`` raises (no NPU in the system)
+``bad_alloc_at_launch`` null      int n >= 1: the n-th ``launch`` raises ``BadAlloc``
+``infer_fail_after``   null       int n >= 0: after n successful infers, the next ones fail
+``infer_fail_times``   1          how many infers fail once ``infer_fail_after`` is reached
+``infer_fail_status``  InternalError  status of an injected infer failure
+=====================  =========  ==============================================================
+
+Costs are numbers >= 0. Counters of the faults (launches, successful infers, injected failures)
+restart whenever the effective configuration changes, and on :func:`reset`.
+
+Clock: every card has a device clock in µs (float), starting at 0. An infer advances it by
+``2*io_fixed_us + infer_fixed_us + infer_us_per_token*tokens``; a dump by
+``io_fixed_us + dump_us_per_kib*KiB``; a load by ``io_fixed_us + load_us_per_kib*KiB``. Trace
+timestamps are read from this clock.
+
+Cores: an Aries card has 2 clusters x 4 cores. A launched model holds its cores until
+``dispose``. Memory: a launch uploads ``weights + K * kv_bytes_per_cache_id`` bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+from .errors import STATUS_CODES
+from .types import Cluster, Core, CoreId
+
+__all__ = ["ENV_VAR", "Device", "Settings", "configure", "device", "reset", "settings"]
+
+ENV_VAR = "NPUSIM_MXQ"
+
+# Guards clocks, core tables and counters: qbruntime callers run infers of different Models
+# from worker threads (the simulated cost's sleep happens outside it).
+_lock = threading.RLock()
+
+ALL_CORES: tuple[CoreId, ...] = tuple(
+    CoreId(cl, co) for cl in (Cluster.Cluster0, Cluster.Cluster1) for co in (Core.Core0, Core.Core1, Core.Core2, Core.Core3)
+)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective machine configuration (see the module docstring for each field)."""
+
+    devices: int = 1
+    device_memory_mib: float = 16384
+    infer_fixed_us: float = 200
+    infer_us_per_token: float = 50
+    io_fixed_us: float = 100
+    dump_us_per_kib: float = 2
+    load_us_per_kib: float = 2
+    pace: bool = False
+    no_device: bool = False
+    bad_alloc_at_launch: int | None = None
+    infer_fail_after: int | None = None
+    infer_fail_times: int = 1
+    infer_fail_status: str = "InternalError"
+
+
+_FIELDS = {f.name for f in fields(Settings)}
+_COSTS = ("infer_fixed_us", "infer_us_per_token", "io_fixed_us", "dump_us_per_kib", "load_us_per_kib")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check(values: dict[str, Any], source: str) -> dict[str, Any]:
+    """Validate machine fields.
+
+    Raises:
+        ValueError: an unknown field or a value breaking its rule (field, value and rule named).
+    """
+    for name, v in values.items():
+        if name not in _FIELDS:
+            raise ValueError(f"{source}: unknown field {name!r} (known: {', '.join(sorted(_FIELDS))})")
+        if name == "devices" and not (_is_int(v) and v >= 0):
+            raise ValueError(f"{source}: devices={v!r} must be an integer >= 0")
+        elif name == "device_memory_mib" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            raise ValueError(f"{source}: device_memory_mib={v!r} must be a number > 0")
+        elif name in _COSTS and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
+            raise ValueError(f"{source}: {name}={v!r} must be a number >= 0 (µs)")
+        elif name in ("pace", "no_device") and not isinstance(v, bool):
+            raise ValueError(f"{source}: {name}={v!r} must be true or false")
+        elif name == "bad_alloc_at_launch" and not (v is None or (_is_int(v) and v >= 1)):
+            raise ValueError(f"{source}: bad_alloc_at_launch={v!r} must be null or an integer >= 1")
+        elif name == "infer_fail_after" and not (v is None or (_is_int(v) and v >= 0)):
+            raise ValueError(f"{source}: infer_fail_after={v!r} must be null or an integer >= 0")
+        elif name == "infer_fail_times" and not (_is_int(v) and v >= 1):
+            raise ValueError(f"{source}: infer_fail_times={v!r} must be an integer >= 1")
+        elif name == "infer_fail_status" and v not in STATUS_CODES:
+            raise ValueError(f"{source}: infer_fail_status={v!r} must be one of {', '.join(STATUS_CODES)}")
+    return values
+
+
+class Device:
+    """One simulated Aries card: cores in use, memory in use, device clock (µs)."""
+
+    def __init__(self, dev_no: int) -> None:
+        self.dev_no = dev_no
+        self.clock_us = 0.0
+        self.cores_in_use: dict[CoreId, int] = {}  # core -> owner model identifier
+        self.memory_used = 0  # bytes
+
+    def free_cores(self) -> list[CoreId]:
+        """Cores not held by any launched model, in order."""
+        return [c for c in ALL_CORES if c not in self.cores_in_use]
+
+    def advance(self, cost_us: float, wall_start: float | None = None) -> tuple[float, float]:
+        """Advance the clock by ``cost_us``; with ``pace``, sleep until ``wall_start + cost``.
+
+        Returns:
+            ``(start_us, end_us)`` on the device clock.
+        """
+        with _lock:
+            start = self.clock_us
+            self.clock_us += float(cost_us)
+            end = self.clock_us
+        if settings().pace and wall_start is not None:
+            remaining = cost_us / 1e6 - (time.perf_counter() - wall_start)
+            if remaining > 0:
+                time.sleep(remaining)
+        return start, end
+
+
+@dataclass
+class _State:
+    overrides: dict[str, Any] = field(default_factory=dict)
+    env_raw: str | None = None
+    env_values: dict[str, Any] = field(default_factory=dict)
+    effective: Settings | None = None
+    devices: dict[int, Device] = field(default_factory=dict)
+    launches: int = 0
+    infers_ok: int = 0
+    infer_failures: int = 0
+
+
+_state = _State()
+
+
+def _read_env() -> dict[str, Any]:
+    raw = os.environ.get(ENV_VAR)
+    if raw == _state.env_raw:
+        return _state.env_values
+    values: dict[str, Any] = {}
+    if raw and raw.strip():
+        try:
+            values = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{ENV_VAR}: not valid JSON ({exc}): {raw!r}") from exc
+        if not isinstance(values, dict):
+            raise ValueError(f"{ENV_VAR}: must be a JSON object, got {raw!r}")
+        _check(values, ENV_VAR)
+    _state.env_raw, _state.env_values = raw, values
+    return values
+
+
+def settings() -> Settings:
+    """The effective settings: defaults, then ``$NPUSIM_MXQ``, then :func:`configure`.
+
+    Raises:
+        ValueError: ``$NPUSIM_MXQ`` is not a JSON object of known, valid fields.
+    """
+    new = replace(Settings(), **{**_read_env(), **_state.overrides})
+    if new != _state.effective:
+        _state.effective = new
+        _state.launches = _state.infers_ok = _state.infer_failures = 0
+    return new
+
+
+def configure(**values: Any) -> Settings:
+    """Override machine fields for this process (tests); returns the effective settings.
+
+    Raises:
+        ValueError: an unknown field or an invalid value.
+    """
+    _check(values, "npusim.mxq.machine.configure")
+    _state.overrides.update(values)
+    return settings()
+
+
+def reset() -> None:
+    """Forget :func:`configure` overrides, device state (cores, memory, clocks) and fault counters."""
+    global _state
+    _state = _State()
+
+
+def device_numbers() -> list[int]:
+    """Device numbers of the present cards (none when ``no_device``)."""
+    s = settings()
+    return [] if s.no_device else list(range(s.devices))
+
+
+def device(dev_no: int) -> Device:
+    """The state of card ``dev_no`` (created on first use; caller checks it exists)."""
+    if dev_no not in _state.devices:
+        _state.devices[dev_no] = Device(dev_no)
+    return _state.devices[dev_no]
+
+
+def memory_bytes() -> int:
+    """Device memory per card in bytes."""
+    return int(settings().device_memory_mib * 2**20)
+
+
+def note_launch() -> bool:
+    """Count one launch; True if the ``bad_alloc_at_launch`` fault fires for it."""
+    s = settings()
+    with _lock:
+        _state.launches += 1
+    return s.bad_alloc_at_launch is not None and _state.launches == s.bad_alloc_at_launch
+
+
+def infer_fault() -> str | None:
+    """The injected status if this infer must fail (counted), else None."""
+    s = settings()
+    with _lock:
+        if s.infer_fail_after is None or _state.infers_ok < s.infer_fail_after:
+            return None
+        if _state.infer_failures >= s.infer_fail_times:
+            return None
+        _state.infer_failures += 1
+        return s.infer_fail_status
+
+
+def note_infer_ok() -> None:
+    """Count one successful infer."""
+    settings()
+    with _lock:
+        _state.infers_ok += 1
+
+
+def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]]) -> list[CoreId] | None:
+    """Take the first candidate core group whose cores are all free; None if none is."""
+    with _lock:
+        for group in candidates:
+            if all(c not in dev.cores_in_use for c in group):
+                for c in group:
+                    dev.cores_in_use[c] = owner
+                return list(group)
+        return None
+
+
+def release_cores(dev: Device, owner: int) -> None:
+    """Free every core held by ``owner``."""
+    for c in [c for c, o in dev.cores_in_use.items() if o == owner]:
+        del dev.cores_in_use[c]

@@ -1,0 +1,557 @@
+"""``Model``: an MXQ artifact on a simulated card, computed by the golden decoder.
+
+The artifact (:mod:`npusim.mxq.mxqfile`) carries a Llama/Qwen2/Qwen3 config and its weights; the
+Model builds a float32 :class:`npusim.llm.Decoder` from them. KV memory: one region per cache id
+(K = ``max_batch_size`` of the artifact), each ``T = max_cache_size`` tokens, allocated on first
+use after ``launch``.
+
+KV semantics: an infer item with ``cache_size = c`` and ``n`` tokens writes positions
+``[c, c + n)`` of its cache id and attends over ``[0, c + n)``. Nothing tracks what was
+written: positions never written since launch hold NaN ("poison"), so attending over KV that
+was never written gives NaN logits. A real card would read whatever its memory held; NaN makes
+the caller's bug visible instead of silently wrong. Rewinding (a ``cache_size`` smaller than
+what was written) is allowed and overwrites from there; positions past ``c + n`` keep their
+old values (and are not attended).
+
+Every argument check of ``infer`` / ``load_cache_memory`` runs before any KV is written, so a
+failed call changes nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..llm import Decoder, KVCache
+from ..llm import ModelConfig as LlmConfig
+from ..llm.errors import CheckpointError, UnsupportedModelError
+from . import machine, tracing
+from .accelerator import Accelerator
+from .config import ModelConfig
+from .errors import fail
+from .mxqfile import MxqFormatError, read_mxq
+from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
+
+__all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
+
+CORE_MODE_NAMES: dict[str, CoreMode] = {
+    "single": CoreMode.Single, "multi": CoreMode.Multi, "global4": CoreMode.Global4, "global8": CoreMode.Global8,
+}
+_ids = itertools.count(1)
+_SRC = "model.cc"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+
+
+class ModelVariantHandle:
+    """Shapes of one model variant (the simulator's artifacts have exactly one)."""
+
+    def __init__(self, model: Model, idx: int) -> None:
+        self._model, self._idx = model, idx
+
+    def get_variant_idx(self) -> int:
+        return self._idx
+
+    def get_model_input_shape(self) -> list[tuple[int, ...]]:
+        return self._model.get_model_input_shape()
+
+    def get_model_output_shape(self) -> list[tuple[int, ...]]:
+        return self._model.get_model_output_shape()
+
+    def get_input_buffer_info(self) -> list[BufferInfo]:
+        return self._model.get_input_buffer_info()
+
+    def get_output_buffer_info(self) -> list[BufferInfo]:
+        return self._model.get_output_buffer_info()
+
+
+class Model:
+    """An MXQ model: ``Model(path, model_config=None)``, then ``launch(acc)``, ``infer``, ``dispose``.
+
+    Raises (construction):
+        QbRuntimeError: ``Model_FailedToLoadMXQ`` (missing/corrupt file; the glog detail names
+            the reason) or ``Model_MXQAndModelConfigNotMatch`` (the config asks for a core mode
+            the artifact was not compiled for; batched artifacts allow only single or auto).
+    """
+
+    def __init__(self, path: str | os.PathLike, model_config: ModelConfig | None = None) -> None:
+        self._path = str(path)
+        self._config = model_config if model_config is not None else ModelConfig()
+        self._acc: Accelerator | None = None
+        self._id = next(_ids)
+        self._dev_no: int | None = None
+        self._cores: list[CoreId] = []
+        self._upload_bytes = 0
+        self._caches: dict[int, KVCache] = {}
+        try:
+            header, tensors = read_mxq(path)
+            self._header = _check_header(header)
+            cfg = LlmConfig.from_dict(header["llm_config"])
+            self._decoder = Decoder(cfg, tensors, np.float32, source=self._path)
+        except (MxqFormatError, CheckpointError, UnsupportedModelError) as exc:
+            raise fail("Model_FailedToLoadMXQ", str(exc), "mxq_loader.cc:112") from None
+        self._cfg = cfg
+        self.K = int(header["max_batch_size"])
+        self.T = int(header["max_cache_size"])
+        self.W = int(header["max_width"])
+        self._all_logits = header["output_logits"] == "all"
+        self._compiled = [CORE_MODE_NAMES[m] for m in header["core_modes"]]
+        mode = self._config.get_core_mode()
+        if mode != CoreMode.Auto and (mode not in self._compiled or (self.K > 1 and mode != CoreMode.Single)):
+            allowed = ", ".join(str(m) for m in self._compiled)
+            raise fail("Model_MXQAndModelConfigNotMatch",
+                       f"The MXQ is compiled for core mode(s) [{allowed}] (batch {self.K}), but the ModelConfig asks for {mode}.",
+                       "model.cc:201")
+        sig = json.dumps([header["llm_config"], self.K, self.T, self.W], sort_keys=True).encode()
+        layer_bytes = 2 * cfg.num_key_value_heads * self.T * cfg.head_dim * 4
+        self._infos = [
+            CacheInfo(CacheType.Batch if self.K > 1 else CacheType.Default, f"layer{i}.kv",
+                      hashlib.sha256(sig + f"/layer{i}".encode()).hexdigest()[:16], layer_bytes, self.K)
+            for i in range(cfg.num_hidden_layers)
+        ]
+        self.get_model_input_shape()
+        self.get_model_output_shape()
+
+    def __repr__(self) -> str:
+        state = "launched" if self._acc is not None else "not launched"
+        return f"<npusim.mxq.Model {self._path!r} K={self.K} T={self.T} W={self.W} {state}>"
+
+    # ------------------------------------------------------------------ lifecycle
+    def launch(self, acc: Accelerator) -> None:
+        """Allocate cores and device memory on ``acc`` and upload the model.
+
+        Raises:
+            QbRuntimeError: ``Model_AlreadyLaunched``; ``Acc_CoreAlreadyInUse`` (an explicitly
+                requested core is taken) or ``Acc_CoreAllocationFailed`` (not enough free cores);
+                ``BadAlloc`` (device memory exhausted, or the ``bad_alloc_at_launch`` fault).
+            TypeError: ``acc`` is not an Accelerator.
+        """
+        if self._acc is not None:
+            raise fail("Model_AlreadyLaunched", f"Model (id {self._id}) is already launched.", "model.cc:240")
+        if not isinstance(acc, Accelerator):
+            raise TypeError(f"launch() expects an Accelerator, got {type(acc).__name__}")
+        dev = acc._device
+        if machine.note_launch():
+            raise fail("BadAlloc", "Failed to allocate NPU memory for model upload. "
+                       f"(injected fault: bad_alloc_at_launch={machine.settings().bad_alloc_at_launch})", "memory.cc:77")
+        cores = self._allocate_cores(dev)
+        upload = self.upload_bytes()
+        total = machine.memory_bytes()
+        free = total - dev.memory_used
+        if upload > free:
+            machine.release_cores(dev, self._id)
+            raise fail("BadAlloc", "Failed to allocate NPU memory for model upload. "
+                       f"(requested {upload} bytes, available {free} of {total} bytes on device {acc.get_dev_no()})", "memory.cc:77")
+        dev.memory_used += upload
+        self._acc, self._dev_no, self._cores, self._upload_bytes, self._caches = acc, acc.get_dev_no(), cores, upload, {}
+
+    def _resolved_mode(self) -> CoreMode:
+        mode = self._config.get_core_mode()
+        return self._compiled[0] if mode == CoreMode.Auto else mode
+
+    def _allocate_cores(self, dev: machine.Device) -> list[CoreId]:
+        mode = self._resolved_mode()
+        explicit = self._config.get_core_ids() if self._config.get_core_mode() == CoreMode.Single else []
+        free = dev.free_cores()
+        if explicit:
+            needed, candidates = len(explicit), [explicit]
+        elif mode == CoreMode.Single:
+            needed = max(1, self._config.get_num_cores())
+            candidates = [free[:needed]] if len(free) >= needed else []
+        elif mode == CoreMode.Global8:
+            needed, candidates = 8, [list(machine.ALL_CORES)]
+        else:  # Multi / Global4: one whole cluster
+            clusters = self._config.get_clusters() or [Cluster.Cluster0, Cluster.Cluster1]
+            needed = 4
+            candidates = [[c for c in machine.ALL_CORES if c.cluster == cl] for cl in clusters]
+        got = machine.allocate_cores(dev, self._id, candidates)
+        if got is None:
+            status = "Acc_CoreAlreadyInUse" if explicit else "Acc_CoreAllocationFailed"
+            raise fail(status, f"Core allocation failed - available cores : {len(free)} vs requested cores : {needed}", "core_allocator.cc:133")
+        return got
+
+    def dispose(self) -> None:
+        """Free the cores, device memory and KV of this model; ``_acc`` becomes None. Idempotent."""
+        if self._acc is None:
+            return
+        dev = machine.device(self._dev_no) if self._dev_no is not None else None
+        if dev is not None:
+            machine.release_cores(dev, self._id)
+            dev.memory_used = max(0, dev.memory_used - self._upload_bytes)
+        self._acc, self._cores, self._caches, self._upload_bytes = None, [], {}, 0
+
+    def upload_bytes(self) -> int:
+        """Device memory a launch takes: weights + K x KV bytes per cache id (simulator addition)."""
+        return int(self._header["payload_bytes"]) + self.K * sum(i.size for i in self._infos)
+
+    def device_clock_us(self) -> float:
+        """The simulated clock (µs) of the card this model is launched on (simulator addition).
+
+        Raises:
+            QbRuntimeError: ``Model_NotLaunched``.
+        """
+        return self._launched()._device.clock_us
+
+    def _launched(self) -> Accelerator:
+        if self._acc is None:
+            raise fail("Model_NotLaunched", "Model is not launched. Call `launch` first.", "model.cc:310")
+        return self._acc
+
+    # ------------------------------------------------------------------ metadata
+    def get_identifier(self) -> int:
+        return self._id
+
+    def get_model_path(self) -> str:
+        return self._path
+
+    def get_core_mode(self) -> CoreMode:
+        """The mode the model runs in (Auto resolves to the artifact's first compiled mode)."""
+        return self._resolved_mode()
+
+    def get_target_cores(self) -> list[CoreId]:
+        """Cores held since launch (before launch: the explicitly configured ones)."""
+        return list(self._cores) if self._acc is not None else self._config.get_core_ids()
+
+    @property
+    def target_cores(self) -> list[CoreId]:
+        """Deprecated: :meth:`get_target_cores`."""
+        return self.get_target_cores()
+
+    def is_target(self, core_id: CoreId) -> bool:
+        return core_id in self.get_target_cores()
+
+    def get_device_names(self) -> list[str]:
+        return [self._acc.get_device_name()] if self._acc is not None else []
+
+    def get_num_model_variants(self) -> int:
+        return 1
+
+    def get_model_variant_handle(self, idx: int) -> ModelVariantHandle:
+        """Raises: ValueError: ``idx`` is not 0 (the only variant)."""
+        if idx != 0:
+            raise ValueError(f"model variant index {idx!r} is out of range [0, 1)")
+        return ModelVariantHandle(self, 0)
+
+    def get_model_input_shape(self) -> list[tuple[int, ...]]:
+        """``[(1, -1, hidden)]``: -1 is the dynamic token axis."""
+        return [(1, -1, self._cfg.hidden_size)]
+
+    def get_model_output_shape(self) -> list[tuple[int, ...]]:
+        """``[(1, 1, vocab)]`` for last-logit non-batch artifacts, else ``[(1, -1, vocab)]``."""
+        rows = 1 if (not self._all_logits and self.K == 1) else -1
+        return [(1, rows, self._cfg.vocab_size)]
+
+    def get_input_buffer_info(self) -> list[BufferInfo]:
+        """``max_width`` = W tokens per item per call, ``max_cache_size`` = T tokens per cache id."""
+        h = self._cfg.hidden_size
+        return [BufferInfo(1, self.W, h, 1, self.W, h, self.T)]
+
+    def get_output_buffer_info(self) -> list[BufferInfo]:
+        """``max_width``: W for full logits, K for last-logit batch artifacts, else 1."""
+        w = self.W if self._all_logits else (self.K if self.K > 1 else 1)
+        v = self._cfg.vocab_size
+        return [BufferInfo(1, w, v, 1, w, v, 0)]
+
+    def get_model_input_data_type(self) -> list[DataType]:
+        """``[DataType.Float32]``: inputs and outputs are float32."""
+        return [DataType.Float32]
+
+    get_model_output_data_type = get_model_input_data_type
+
+    def get_cache_infos(self) -> list[CacheInfo]:
+        """One CacheInfo per decoder layer (``size``: bytes of K and V for one cache id)."""
+        return list(self._infos)
+
+    # ------------------------------------------------------------------ inference
+    def _input(self, inputs: Any) -> tuple[np.ndarray, int]:
+        arrs = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        if len(arrs) != 1:
+            raise ValueError(f"The number of inputs is invalid (expected 1, got {len(arrs)}).")
+        x = np.asarray(arrs[0], dtype=np.float32)
+        h = self._cfg.hidden_size
+        ok = (x.ndim == 3 and x.shape[0] == 1) or (x.ndim == 4 and x.shape[:2] == (1, 1))
+        if not ok or x.shape[-1] != h or x.shape[-2] < 1:
+            raise ValueError("Input shape is invalid.")
+        return x.reshape(-1, h), x.ndim
+
+    def _check_item(self, length: int, cache_size: int) -> None:
+        if length > self.W:
+            raise fail("Model_InvalidInputSize", f"Sequence length of inputs[0] exceeds maximum value ({length} > {self.W})", "model.cc:412")
+        if cache_size + length > self.T:
+            raise fail("Model_CacheOverflow", f"Sum of sequence length and cache size exceeds max cache size ({cache_size + length} > {self.T})", "model.cc:418")
+
+    def _items(self, n_tokens: int, cache_size: int, params: Sequence[BatchParam] | None) -> list[tuple[int, int, int]]:
+        """Validated ``(cache_id, cache_size, length)`` per item."""
+        if params is None:
+            if not _is_int(cache_size) or cache_size < 0:
+                raise ValueError(f"cache_size {cache_size!r} must be an integer >= 0")
+            self._check_item(n_tokens, int(cache_size))
+            return [(0, int(cache_size), n_tokens)]
+        params = list(params)
+        if len(params) > self.K:
+            raise fail("Model_InvalidBatchParam", f"Batch size exceeds maximum value ({len(params)} > {self.K})", "model.cc:436")
+        seen: set[int] = set()
+        for p in params:
+            for name in ("sequence_length", "cache_size", "cache_id"):
+                v = getattr(p, name)
+                if not _is_int(v) or v < 0:
+                    raise ValueError(f"BatchParam.{name} {v!r} must be an integer >= 0 ({p!r})")
+            if p.cache_id >= self.K:
+                raise fail("Model_InvalidBatchParam", f"Cache Id exceeds maximum value ({p.cache_id} > {self.K - 1})", "model.cc:441")
+            if p.cache_id in seen:
+                raise fail("Model_InvalidBatchParam", f"Duplicated `cache_id` is detected (`cache_id` = {p.cache_id}). "
+                           "Please ensure that no duplicate `cache_id` exist across batches.", "model.cc:445")
+            seen.add(p.cache_id)
+        total = sum(int(p.sequence_length) for p in params)
+        if total != n_tokens:
+            raise fail("Model_InvalidBatchParam", f"Sequence Length is mismatched between input and `BatchParam` (expected: {n_tokens}, actual: {total})", "model.cc:450")
+        for p in params:
+            if p.sequence_length < 1:
+                raise fail("Model_InvalidBatchParam", f"Sequence length of a batch item must be positive ({p!r})", "model.cc:453")
+            self._check_item(int(p.sequence_length), int(p.cache_size))
+        return [(int(p.cache_id), int(p.cache_size), int(p.sequence_length)) for p in params]
+
+    def _cache(self, cache_id: int) -> KVCache:
+        if cache_id not in self._caches:
+            c = self._decoder.new_cache(self.T)
+            for k, v in zip(c.keys, c.values):
+                k.fill(np.nan)
+                v.fill(np.nan)
+            self._caches[cache_id] = c
+        return self._caches[cache_id]
+
+    def infer(self, inputs: Any, outputs: list[np.ndarray] | None = None, cache_size: int = 0,
+              params: Sequence[BatchParam] | None = None) -> list[np.ndarray] | None:
+        """Run the model on one float32 input of shape ``(1, S, hidden)`` or ``(1, 1, S, hidden)``.
+
+        Without ``params``: the S tokens go to cache id 0 at ``cache_size``. With ``params``
+        (``cache_size`` ignored): item i takes the next ``params[i].sequence_length`` tokens.
+
+        Returns:
+            ``outputs=None``: ``[logits]`` float32, rows = one per item (last-logit artifacts) or one
+            per token (full-logits artifacts), shape ``(1, rows, vocab)`` (``(1, 1, rows, vocab)``
+            for a rank-4 input). With ``outputs``: written into ``outputs[0]``, returns None.
+
+        Raises:
+            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidInputSize`` (an item longer than
+                W); ``Model_CacheOverflow`` (cache_size + length > T); ``Model_InvalidBatchParam``;
+                the injected ``infer_fail_*`` fault.
+            ValueError: ``"Input shape is invalid."``, a negative cache_size, an output buffer of
+                the wrong size.
+        """
+        acc = self._launched()
+        x, rank = self._input(inputs)
+        items = self._items(x.shape[0], cache_size, params)
+        status = machine.infer_fault()
+        if status is not None:
+            s = machine.settings()
+            raise fail(status, f"Injected fault: infer failed (infer_fail_after={s.infer_fail_after}, infer_fail_times={s.infer_fail_times}).", "model.cc:500")
+        wall = time.perf_counter()
+        caches, xs, pos = [], [], 0
+        for cid, cs, n in items:
+            c = self._cache(cid)
+            c.length = cs  # rewind/skip: the next write lands at cache_size
+            caches.append(c)
+            xs.append(x[pos : pos + n])
+            pos += n
+        with np.errstate(invalid="ignore", over="ignore"):
+            logits = self._decoder._forward(xs, caches)
+        rows = np.concatenate(logits if self._all_logits else [lg[-1:] for lg in logits])
+        result = rows.reshape((1, 1) + rows.shape if rank == 4 else (1,) + rows.shape).astype(np.float32)
+        machine.note_infer_ok()
+        self._account_infer(acc, x.shape[0], wall)
+        if outputs is None:
+            return [result]
+        out = outputs[0]
+        if out.size != result.size:
+            raise ValueError(f"Output shape is invalid: buffer of {out.size} elements, result {result.shape}.")
+        out.reshape(-1)[:] = result.reshape(-1)
+        return None
+
+    infer_hwc = infer
+    infer_chw = infer
+
+    def _account_infer(self, acc: Accelerator, n_tokens: int, wall: float) -> None:
+        s = machine.settings()
+        run = s.infer_fixed_us + s.infer_us_per_token * n_tokens
+        t0, t1 = acc._device.advance(2 * s.io_fixed_us + run, wall)
+        pid, tid, io = acc.get_dev_no(), self._id, s.io_fixed_us
+        tracing.span("infer", t0, t1, pid, tid)
+        tracing.span("lock core", t0, t0, pid, tid)
+        tracing.span("copy to npu", t0, t0 + io, pid, tid)
+        tracing.span("run npu", t0 + io, t0 + io + run, pid, tid)
+        tracing.span("copy from npu", t0 + io + run, t1, pid, tid)
+
+    # ------------------------------------------------------------------ KV memory
+    def _check_cache_id(self, cache_id: int, what: str) -> int:
+        if not _is_int(cache_id) or cache_id < 0 or cache_id >= self.K:
+            raise fail("Model_InvalidCacheId", f"Failed to {what} cache memory - `cache_id` ({cache_id}) exceeds maximum batch size ({self.K})", "model.cc:610")
+        return int(cache_id)
+
+    def dump_cache_memory(self, cache_id: int = 0) -> list[bytes]:
+        """One blob per CacheInfo: the layer's keys then values, float32 ``[kv_heads, T, head_dim]`` C order.
+
+        Raises:
+            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidCacheId`` (cache_id >= K).
+        """
+        acc = self._launched()
+        cid = self._check_cache_id(cache_id, "dump")
+        wall = time.perf_counter()
+        c = self._cache(cid)
+        blobs = [k.tobytes() + v.tobytes() for k, v in zip(c.keys, c.values)]
+        s = machine.settings()
+        t0, t1 = acc._device.advance(s.io_fixed_us + s.dump_us_per_kib * sum(map(len, blobs)) / 1024, wall)
+        tracing.span("read device", t0, t1, acc.get_dev_no(), self._id)
+        return blobs
+
+    def load_cache_memory(self, bufs: Sequence[bytes], cache_id: int = 0) -> None:
+        """Overwrite cache id ``cache_id`` with blobs from :meth:`dump_cache_memory` (exact copy).
+
+        Raises:
+            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidCacheId``;
+                ``Model_InvalidCacheBuffer`` (wrong number of blobs or a wrong blob size; nothing written).
+        """
+        acc = self._launched()
+        cid = self._check_cache_id(cache_id, "load")
+        bufs = list(bufs)
+        if len(bufs) != len(self._infos):
+            raise fail("Model_InvalidCacheBuffer", f"Failed to load cache memory - The number of cache is mismatched (expected: {len(self._infos)}, actual: {len(bufs)})", "model.cc:640")
+        for info, b in zip(self._infos, bufs):
+            if len(b) != info.size:
+                raise fail("Model_InvalidCacheBuffer", f"Failed to load cache memory - {info.name}: Wrong buffer size (expected: {info.size}, actual: {len(b)})", "model.cc:645")
+        wall = time.perf_counter()
+        c = self._cache(cid)
+        for k, v, b in zip(c.keys, c.values, bufs):
+            arr = np.frombuffer(bytes(b), dtype=np.float32)
+            k.reshape(-1)[:] = arr[: k.size]
+            v.reshape(-1)[:] = arr[k.size :]
+        s = machine.settings()
+        t0, t1 = acc._device.advance(s.io_fixed_us + s.load_us_per_kib * sum(map(len, bufs)) / 1024, wall)
+        tracing.span("copy to npu", t0, t1, acc.get_dev_no(), self._id)
+
+    def _info(self, key: str, value: str) -> int:
+        for i, info in enumerate(self._infos):
+            if getattr(info, key) == value:
+                return i
+        label = "name" if key == "name" else "layer hash"
+        raise fail("Model_InvalidCacheBuffer", f"Failed to find KV-cache whose {label} is `{value}`", "model.cc:660")
+
+    def dump_cache_memory_by_name(self, name: str, cache_id: int = 0) -> bytes:
+        self._launched()
+        i = self._info("name", name)
+        return self.dump_cache_memory(cache_id)[i]
+
+    def dump_cache_memory_by_layer_hash(self, layer_hash: str, cache_id: int = 0) -> bytes:
+        self._launched()
+        i = self._info("layer_hash", layer_hash)
+        return self.dump_cache_memory(cache_id)[i]
+
+    def load_cache_memory_by_name(self, buf: bytes, name: str, cache_id: int = 0) -> None:
+        self._launched()
+        i = self._info("name", name)
+        bufs = self.dump_cache_memory(cache_id)
+        bufs[i] = buf
+        self.load_cache_memory(bufs, cache_id)
+
+    def load_cache_memory_by_layer_hash(self, buf: bytes, layer_hash: str, cache_id: int = 0) -> None:
+        self._launched()
+        i = self._info("layer_hash", layer_hash)
+        bufs = self.dump_cache_memory(cache_id)
+        bufs[i] = buf
+        self.load_cache_memory(bufs, cache_id)
+
+    def dump_cache_memory_to(self, cache_dir: str | os.PathLike, cache_id: int = 0) -> None:
+        """Write ``cache_<layer_hash>.bin`` per CacheInfo into ``cache_dir`` (created if missing)."""
+        blobs = self.dump_cache_memory(cache_id)
+        d = Path(cache_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        for info, b in zip(self._infos, blobs):
+            (d / f"cache_{info.layer_hash}.bin").write_bytes(b)
+
+    def load_cache_memory_from(self, cache_dir: str | os.PathLike, cache_id: int = 0) -> None:
+        """Load the files :meth:`dump_cache_memory_to` wrote.
+
+        Raises:
+            QbRuntimeError: ``Model_InvalidCacheBuffer`` (a file is missing or has the wrong size).
+        """
+        self._launched()
+        bufs = []
+        for info in self._infos:
+            p = Path(cache_dir) / f"cache_{info.layer_hash}.bin"
+            if not p.is_file():
+                raise fail("Model_InvalidCacheBuffer", f"Failed to load cache memory - {info.name}: file '{p}' not found", "model.cc:690")
+            bufs.append(p.read_bytes())
+        self.load_cache_memory(bufs, cache_id)
+
+    def _not_implemented(self, name: str) -> None:
+        raise fail("NotImplemented", f"{name} is not implemented by the npusim.mxq simulator (its artifacts have no FixedTailCache, async or pinned-memory paths).", "model.cc:700")
+
+    def reset_fixed_tail_cache_memory(self, cache_id: int = 0) -> None:
+        """Raises: QbRuntimeError ``NotImplemented``."""
+        self._not_implemented("reset_fixed_tail_cache_memory")
+
+    def move_cache_tail(self, num_head: int, num_tail: int, cache_size: int) -> int:
+        """Raises: QbRuntimeError ``NotImplemented``."""
+        self._not_implemented("move_cache_tail")
+        return 0
+
+    def filter_cache_tail(self, cache_size: int, tail_size: int, mask: Sequence[bool]) -> int:
+        """Raises: QbRuntimeError ``NotImplemented``."""
+        self._not_implemented("filter_cache_tail")
+        return 0
+
+    def infer_async(self, *args: Any, **kwargs: Any) -> None:
+        """Raises: QbRuntimeError ``NotImplemented`` (CNN-only in qbruntime)."""
+        self._not_implemented("infer_async")
+
+    def infer_to_float(self, *args: Any, **kwargs: Any) -> None:
+        """Raises: QbRuntimeError ``NotImplemented`` (int8 inputs)."""
+        self._not_implemented("infer_to_float")
+
+
+def _check_header(h: dict[str, Any]) -> dict[str, Any]:
+    """Raises: MxqFormatError for header values outside their rules."""
+    for key in ("max_batch_size", "max_cache_size", "max_width"):
+        if not _is_int(h[key]) or h[key] < 1:
+            raise MxqFormatError(f"MXQ header {key}={h[key]!r} must be an integer >= 1.")
+    if h["output_logits"] not in ("last", "all"):
+        raise MxqFormatError(f"MXQ header output_logits={h['output_logits']!r} must be 'last' or 'all'.")
+    modes = h["core_modes"]
+    if not isinstance(modes, list) or not modes or any(m not in CORE_MODE_NAMES for m in modes):
+        raise MxqFormatError(f"MXQ header core_modes={modes!r} must be a non-empty list of {sorted(CORE_MODE_NAMES)}.")
+    if not isinstance(h["llm_config"], dict):
+        raise MxqFormatError("MXQ header llm_config must be a JSON object.")
+    return h
+
+
+def load(path: str | os.PathLike, model_config: ModelConfig | None = None) -> Model:
+    """``Model(path, model_config)`` (not launched)."""
+    return Model(path, model_config)
+
+
+def get_model_summary(mxq_path: str | os.PathLike) -> str:
+    """A human-readable summary of an ``.mxq`` (shapes, K, T, W, core modes, layers).
+
+    Raises:
+        QbRuntimeError: ``Model_FailedToLoadMXQ`` as for :class:`Model`.
+    """
+    m = Model(mxq_path)
+    c = m._cfg
+    return "\n".join([
+        f"MXQ: {mxq_path}",
+        f"  model_type: {c.model_type}, layers: {c.num_hidden_layers}, hidden: {c.hidden_size}, vocab: {c.vocab_size}",
+        f"  input shape: {m.get_model_input_shape()}, output shape: {m.get_model_output_shape()}",
+        f"  max_batch_size (K): {m.K}, max_cache_size (T): {m.T}, max_width (W): {m.W}",
+        f"  core modes: {', '.join(m._header['core_modes'])}, output logits: {m._header['output_logits']}, target: {m._header['target_device']}",
+        f"  cache infos: {len(m._infos)} x {m._infos[0].size if m._infos else 0} bytes",
+    ])

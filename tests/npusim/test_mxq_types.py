@@ -1,0 +1,74 @@
+"""npusim.mxq enums, value classes, QbRuntimeError and module exports (qbruntime 1.5.0 names)."""
+
+from __future__ import annotations
+
+import pytest
+
+import npusim.mxq as qb
+
+EXPORTS = ("Accelerator Model load ModelConfig CoreMode Cluster Core CoreId CoreAllocationPolicy CacheType CacheInfo "
+           "BufferInfo DataType BatchParam LogLevel set_log_level start_tracing_events stop_tracing_events "
+           "get_model_summary get_available_devices get_available_device_numbers QbRuntimeError __version__").split()
+
+
+def test_module_exports_and_version():
+    missing = [n for n in EXPORTS if not hasattr(qb, n)]
+    assert missing == []
+    assert qb.__version__ == "v1.5.0" and qb.__vendor__ == "Mobilint" and qb.__product__
+
+
+@pytest.mark.parametrize(
+    ("enum", "values"),
+    [(qb.CoreMode, {"Single": 0, "Multi": 1, "Global": 2, "Global4": 3, "Global8": 4, "Auto": 14, "Error": 15}),
+     (qb.Cluster, {"Cluster0": 0x10000, "Cluster1": 0x20000}),
+     (qb.Core, {"Core0": 1, "Core1": 2, "Core2": 3, "Core3": 4, "All": 65532, "GlobalCore": 65534}),
+     (qb.CacheType, {"Default": 0, "Batch": 1, "FixedTailCache": 2, "Error": 15})],
+)
+def test_enum_raw_values(enum, values):
+    assert {n: int(getattr(enum, n)) for n in values} == values
+
+
+def test_enum_str_and_hash():
+    assert str(qb.CoreMode.Single) == "CoreMode.Single"
+    assert str(qb.Cluster.Cluster1) == "Cluster.Cluster1"
+    assert {qb.Cluster.Cluster0: 1}[qb.Cluster.Cluster0] == 1
+
+
+def test_core_id_is_frozen_hashable_and_ordered():
+    a = qb.CoreId(qb.Cluster.Cluster0, qb.Core.Core3)
+    b = qb.CoreId(qb.Cluster.Cluster1, qb.Core.Core0)
+    assert a == qb.CoreId(qb.Cluster.Cluster0, qb.Core.Core3) and a != b
+    assert a < b and not b < a and sorted([b, a]) == [a, b]
+    assert len({a, b, qb.CoreId(qb.Cluster.Cluster0, qb.Core.Core3)}) == 2
+    with pytest.raises(AttributeError):
+        a.core = qb.Core.Core0  # type: ignore[misc]
+
+
+def test_batch_param_defaults_and_repr():
+    assert repr(qb.BatchParam(3, 10, 1)) == "BatchParam(sequence_length=3, cache_size=10, cache_id=1)"
+    p = qb.BatchParam()
+    assert (p.sequence_length, p.cache_size, p.cache_id) == (0, 0, 0)
+    assert qb.BatchParam(sequence_length=2, cache_id=1) == qb.BatchParam(2, 0, 1)
+
+
+def test_qbruntime_error_message_and_python_construction():
+    e = qb.QbRuntimeError.from_status("BadAlloc")
+    assert isinstance(e, RuntimeError) and e.status == "BadAlloc"
+    assert str(e) == ("BadAlloc occurred.\nPlease visit "
+                      "https://docs.mobilint.com/v1.5/doxygen/html_en/group__CPPAPI.html for more details.")
+    user = qb.QbRuntimeError("BadAlloc: device out of memory")
+    assert str(user) == "BadAlloc: device out of memory" and user.status is None
+
+
+def test_set_log_level_off_silences_details(mxq_machine, capsys):
+    qb.set_log_level(qb.LogLevel.Off)
+    try:
+        mxq_machine.configure(devices=0)
+        with pytest.raises(qb.QbRuntimeError):
+            qb.Accelerator()
+        assert capsys.readouterr().err == ""
+    finally:
+        qb.set_log_level(qb.LogLevel.Err)
+    with pytest.raises(qb.QbRuntimeError):
+        qb.Accelerator()
+    assert "No NPU device found in the system." in capsys.readouterr().err
