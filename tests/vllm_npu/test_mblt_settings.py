@@ -362,7 +362,10 @@ def test_max_num_seqs_clamped_kept_or_taken(caplog):
     assert p.max_num_seqs == 8 and p.max_num_batched_tokens == 8 * 128
     assert ("Clamping scheduler max_num_seqs from 64 to model-configured max batch size 8."
             in [r.getMessage() for r in caplog.records])
-    assert plan({}, user_max_num_seqs=256).max_num_seqs == 1
+    # No max_batch_size in the config: the scheduler keeps its cap; requests share one slot.
+    unresolved = plan({}, user_max_num_seqs=256)
+    assert (unresolved.max_num_seqs, unresolved.max_batch_size) == (256, 1)
+    assert plan({}).max_num_seqs == 1
 
 
 def test_smaller_user_max_num_seqs_of_one_runs_non_batch_sizing():

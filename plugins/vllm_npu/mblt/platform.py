@@ -1,6 +1,188 @@
-"""The mblt vLLM platform (not built yet: issue 4)."""
+"""The MBLT vLLM platform: scheduler defaults from the MXQ artifact, and the MBLT worker.
 
-raise NotImplementedError(
-    "the mblt vLLM platform plugin (vllm_npu.mblt) is not built yet: issue 4; "
-    "unset NPU_HARNESS_TARGET to serve on vLLM's CPU backend"
-)
+Activated by the ``vllm.platform_plugins`` entry point ``mblt`` when ``NPU_HARNESS_TARGET``
+is ``mblt-sim`` or ``mblt-hw``. The model runs inside the MXQ through the runtime API, so
+the platform is an out-of-tree CPU-hosted one (``device_type == "cpu"``, no attention
+backend, no torch.compile, no CUDA graphs) whose job is configuration:
+
+- worker class :class:`vllm_npu.mblt.worker.MbltWorker`;
+- block size 128 and prefix caching on unless the user set them;
+- ``max_num_seqs`` from the artifact's ``max_batch_size`` and chunked prefill from its
+  ``npu_prefill_chunk_size`` (:func:`vllm_npu.mblt.settings.plan_scheduler`);
+- requests the worker cannot honour are refused in :meth:`MbltPlatform.validate_request`
+  (vLLM answers them with HTTP 400).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+logger = logging.getLogger("vllm_npu.mblt")
+
+WORKER_CLS = "vllm_npu.mblt.worker.MbltWorker"
+TRACE_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
+
+
+class MbltRequestError(ValueError):
+    """A request asks for something the MBLT worker does not do (answered with HTTP 400)."""
+
+
+def _hf_config_dict(vllm_config: Any) -> dict[str, Any]:
+    hf = vllm_config.model_config.hf_config
+    return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
+
+
+class MbltPlatform(Platform):
+    """Out-of-tree platform for Mobilint NPUs (see the module docstring)."""
+
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    simple_compile_backend: str = "eager"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:  # noqa: ARG003
+        return "mblt"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:  # noqa: ARG003
+        return 0
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:  # noqa: ARG003
+        return None
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """Point vLLM at the MBLT worker and size the scheduler from the artifact.
+
+        Raises:
+            vllm_npu.mblt.settings.MbltConfigError: a bad ``--model-loader-extra-config``
+                or artifact value (the message names it and the rule).
+        """
+        from vllm.config import CompilationMode
+
+        from vllm_npu.mblt import settings
+
+        parallel = vllm_config.parallel_config
+        parallel.worker_cls = WORKER_CLS
+        if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+
+        comp = vllm_config.compilation_config
+        comp.mode = CompilationMode.NONE
+        comp.cudagraph_capture_sizes = []
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True
+
+        sched = vllm_config.scheduler_config
+        sched.async_scheduling = False
+        cache = vllm_config.cache_config
+        model_config = vllm_config.model_config
+        if model_config is None:
+            return
+        overrides = settings.parse_loader_extra_config(vllm_config.load_config.model_loader_extra_config)
+        plan = settings.plan_scheduler(
+            _hf_config_dict(vllm_config),
+            overrides,
+            user_max_num_seqs=sched.max_num_seqs,
+            user_max_num_batched_tokens=sched.max_num_batched_tokens,
+            user_block_size=cache.block_size if cache.user_specified_block_size else None,
+            user_enable_prefix_caching=cache.enable_prefix_caching,
+        )
+        cache.block_size = plan.block_size
+        cache.enable_prefix_caching = plan.enable_prefix_caching
+        sched.enable_chunked_prefill = True
+        sched.max_num_seqs = plan.max_num_seqs
+        sched.max_num_batched_tokens = plan.max_num_batched_tokens
+        sched.long_prefill_token_threshold = plan.long_prefill_token_threshold
+        if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+            sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, plan.max_num_batched_tokens)
+        logger.info(
+            "MBLT platform: worker %s, block_size %d, max_num_seqs %d, max_num_batched_tokens %d, "
+            "long_prefill_token_threshold %d, prefix caching %s",
+            WORKER_CLS, plan.block_size, plan.max_num_seqs, plan.max_num_batched_tokens,
+            plan.long_prefill_token_threshold, "on" if plan.enable_prefix_caching else "off",
+        )
+
+    @classmethod
+    def pre_register_and_update(cls, parser: Any = None) -> None:
+        """Turn ``VLLM_TORCH_PROFILER_DIR`` into vLLM's profiler config for this server.
+
+        vLLM 0.32 registers ``/start_profile`` and ``/stop_profile`` only when
+        ``--profiler-config`` names a profiler; with ``VLLM_TORCH_PROFILER_DIR`` set (the
+        MBLT switch) and no ``--profiler-config`` given, the default becomes the torch
+        profiler writing into that directory: vLLM's front-end trace lands there, and the
+        worker's ``profile`` hook records the qbruntime NPU trace beside it.
+        """
+        trace_dir = os.environ.get(TRACE_DIR_ENV, "")
+        if parser is None or not trace_dir:
+            return
+        from vllm.config import ProfilerConfig
+
+        parser.set_defaults(profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=trace_dir))
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: Any) -> None:  # noqa: ARG003
+        """No attention backend runs on the host: the block size stays as configured."""
+        return None
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        """Refuse what the MBLT worker would otherwise ignore (vLLM answers HTTP 400).
+
+        Raises:
+            MbltRequestError: pooling requests, prompt embeddings, prompt logprobs,
+                structured outputs, ``min_p``, ``min_tokens``, ``logit_bias``,
+                ``allowed_token_ids`` or ``logprob_token_ids`` (each named).
+        """
+        from vllm.sampling_params import SamplingParams
+
+        if not isinstance(params, SamplingParams):
+            raise MbltRequestError("the MBLT worker serves text generation only (no pooling requests)")
+        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+            raise MbltRequestError("the MBLT worker takes token prompts only: prompt_embeds is not supported")
+        refused = []
+        if params.prompt_logprobs is not None:
+            refused.append(f"prompt_logprobs={params.prompt_logprobs}")
+        if params.structured_outputs is not None:
+            refused.append("structured outputs (response_format / guided decoding)")
+        if params.min_p:
+            refused.append(f"min_p={params.min_p}")
+        if params.min_tokens:
+            refused.append(f"min_tokens={params.min_tokens}")
+        if params.logit_bias:
+            refused.append("logit_bias")
+        if params.allowed_token_ids:
+            refused.append("allowed_token_ids")
+        if params.logprob_token_ids:
+            refused.append("logprob_token_ids")
+        if refused:
+            raise MbltRequestError(
+                "the MBLT worker samples on the host with temperature, top_p, top_k, seed, "
+                "penalties, bad_words and logprobs only; refused: " + ", ".join(refused)
+            )
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        target = os.environ.get("NPU_HARNESS_TARGET", "")
+        logger.info("MBLT platform active (NPU_HARNESS_TARGET=%s)", target)

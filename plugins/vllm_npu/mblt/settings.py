@@ -598,7 +598,8 @@ def plan_scheduler(
     * block size: the user's, else :data:`DEFAULT_BLOCK_SIZE`; prefix caching: the user's,
       else True.
     * ``max_batch_size`` from :func:`resolve_max_batch_size`, 1 when unresolved.
-    * ``max_num_seqs``: ``max_batch_size`` when unset; a larger user value is clamped to it
+    * ``max_num_seqs``: unresolved ``max_batch_size`` keeps the user's value (1 when
+      unset): the requests then share one cache slot; else ``max_batch_size`` when unset; a larger user value is clamped to it
       (warning); a smaller one is kept.
     * chunk from :func:`resolve_prefill_chunk`; a user ``--max-num-batched-tokens`` lowers it
       to ``min(user, chunk)``.
@@ -628,7 +629,13 @@ def plan_scheduler(
     logger.info("MBLT block_size=%d, enable_prefix_caching=%s, core_mode=%s, max_batch_size=%d.",
                 block_size, enable_prefix_caching, core_mode, max_batch_size)
 
-    if user_max_num_seqs is None:
+    if resolved_batch is None:
+        # No max_batch_size in the artifact (as Mobilint's Qwen3-ASR release): the scheduler
+        # keeps its own cap and the requests share the batch-1 MXQ's one cache slot.
+        max_num_seqs = 1 if user_max_num_seqs is None else user_max_num_seqs
+        logger.info("The model config declares no max_batch_size: keeping scheduler "
+                    "max_num_seqs %d; requests share one cache slot.", max_num_seqs)
+    elif user_max_num_seqs is None:
         max_num_seqs = max_batch_size
         logger.info("Setting scheduler max_num_seqs to model-configured max batch size %d.",
                     max_num_seqs)

@@ -1,0 +1,165 @@
+"""Start a real ``vllm serve`` process and talk to it over HTTP (stdlib only).
+
+Used by the serving scenarios and by the tests: one place knows how to launch vLLM offline
+on this machine, wait for ``/health``, read its log and stop it. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: How long a ``vllm serve`` may take to become healthy (engine start-up is ~35-65 s here).
+START_TIMEOUT_S = 600.0
+
+
+class ServerError(RuntimeError):
+    """The server exited or did not become healthy (the message carries its log's tail)."""
+
+
+def vllm_command() -> str:
+    """The ``vllm`` console script of this environment."""
+    return shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
+
+
+def vllm_env(target: str | None = None, **extra: str) -> dict[str, str]:
+    """Environment for a vLLM child: ``NPU_HARNESS_TARGET=target`` (unset when None), 1 GiB
+    CPU KV cache, offline, no usage stats."""
+    env = {k: v for k, v in os.environ.items() if k != "NPU_HARNESS_TARGET"}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+               TOKENIZERS_PARALLELISM="false")
+    if target:
+        env["NPU_HARNESS_TARGET"] = target
+    env.update(extra)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class HttpResult:
+    status: int
+    body: Any  # parsed JSON when the body is JSON, else text
+
+
+@dataclass
+class Server:
+    """A running ``vllm serve``. ``base`` is ``http://127.0.0.1:PORT``."""
+
+    proc: subprocess.Popen
+    base: str
+    model: str
+    log: Path
+
+    def log_text(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def request(self, method: str, path: str, payload: Mapping[str, Any] | None = None,
+                timeout: float = 300.0) -> HttpResult:
+        """One HTTP request; non-2xx statuses are returned, not raised."""
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                status, raw = r.status, r.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+        text = raw.decode(errors="replace")
+        try:
+            return HttpResult(status, json.loads(text))
+        except ValueError:
+            return HttpResult(status, text)
+
+    def complete(self, prompt: str | list[int], max_tokens: int = 16, **params: Any) -> HttpResult:
+        """``POST /v1/completions`` (greedy unless ``temperature`` is given)."""
+        body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        body.update(params)
+        return self.request("POST", "/v1/completions", body)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[str, str],
+          log: Path, timeout_s: float = START_TIMEOUT_S) -> Server:
+    """Start ``vllm serve MODEL ARGS`` on a free port and wait for ``/health``.
+
+    Raises:
+        ServerError: the process exited, or was not healthy within ``timeout_s`` (it is
+            stopped; the message carries the log's last 4000 characters).
+    """
+    port = free_port()
+    cmd = [vllm_command(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as fh:
+        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env))
+    server = Server(proc, f"http://127.0.0.1:{port}", str(model), log)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            raise ServerError(f"vllm serve exited {proc.returncode}:\n{server.log_text()[-4000:]}")
+        try:
+            with urllib.request.urlopen(server.base + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return server
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            server.stop()
+            raise ServerError(f"vllm serve not healthy after {timeout_s:.0f} s:\n{server.log_text()[-4000:]}")
+        time.sleep(1)
+
+
+def run_until_exit(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[str, str],
+                   log: Path, timeout_s: float = START_TIMEOUT_S) -> tuple[int | None, str]:
+    """Start ``vllm serve`` expecting it to refuse to start: returns ``(exit code, log)``;
+    ``exit code`` is None when it became healthy instead (it is then stopped)."""
+    try:
+        server = start(model, args, env=env, log=log, timeout_s=timeout_s)
+    except ServerError:
+        text = log.read_text(errors="replace")
+        code = None
+        return (code if code is not None else 1), text
+    server.stop()
+    return None, server.log_text()
+
+
+def stream_lines(server: Server, path: str, payload: Mapping[str, Any], timeout: float = 300.0) -> Iterator[dict]:
+    """POST with ``stream: true`` and yield each SSE ``data:`` JSON object until ``[DONE]``."""
+    body = dict(payload, stream=True)
+    req = urllib.request.Request(server.base + path, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        for raw in r:
+            line = raw.decode().strip()
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            yield json.loads(data)

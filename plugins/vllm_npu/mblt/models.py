@@ -1,0 +1,99 @@
+"""Model-registry hooks for Mobilint MXQ artifacts (vLLM general plugin ``mblt_models``).
+
+An MXQ artifact's ``config.json`` names a Mobilint model type (``mobilint-llama``...) and
+architecture (``MobilintLlamaForCausalLM``...). vLLM parses the config with transformers and
+checks the architecture against its model registry before the platform's worker runs, so
+both have to be known in every vLLM process:
+
+- :func:`register` adds a transformers config class per Mobilint model type (the base
+  family's config with the Mobilint model type), and registers each architecture with
+  vLLM's ``ModelRegistry`` as :class:`MobilintForCausalLM`.
+- :class:`MobilintForCausalLM` is a placeholder that satisfies vLLM's model interface
+  checks. The MBLT worker never builds it: the model runs inside the MXQ, through the
+  runtime API. Building it raises :class:`MobilintModelNotBuildable`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger("vllm_npu.mblt")
+
+#: Mobilint model type -> (architecture, transformers base config class name).
+TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
+    "mobilint-llama": ("MobilintLlamaForCausalLM", "LlamaConfig"),
+    "mobilint-qwen2": ("MobilintQwen2ForCausalLM", "Qwen2Config"),
+    "mobilint-qwen3": ("MobilintQwen3ForCausalLM", "Qwen3Config"),
+}
+
+_REGISTERED = False
+
+
+class MobilintModelNotBuildable(RuntimeError):
+    """vLLM tried to build the placeholder model: it runs only under the MBLT worker."""
+
+
+def _config_class(model_type: str, base_name: str) -> type:
+    import transformers
+
+    base = getattr(transformers, base_name)
+    return type(
+        f"Mobilint{base_name}",
+        (base,),
+        {"model_type": model_type, "__module__": __name__,
+         "__doc__": f"{base_name} of a Mobilint MXQ artifact (model_type {model_type!r})."},
+    )
+
+
+def register() -> None:
+    """vLLM general-plugin entry point (group ``vllm.general_plugins``, name ``mblt_models``).
+
+    Idempotent and never raises: vLLM aborts start-up when a general plugin raises, and
+    this runs in every vLLM process whatever the platform. A failure is logged.
+    """
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    try:
+        from transformers import AutoConfig
+        from vllm import ModelRegistry
+
+        for model_type, (arch, base_name) in TEXT_MODEL_TYPES.items():
+            try:
+                AutoConfig.register(model_type, _config_class(model_type, base_name))
+            except ValueError:
+                pass  # already registered in this process
+            if arch not in ModelRegistry.get_supported_archs():
+                ModelRegistry.register_model(arch, "vllm_npu.mblt.models:MobilintForCausalLM")
+        _REGISTERED = True
+    except Exception as exc:  # noqa: BLE001 - a general plugin must not stop vLLM
+        logger.warning("vllm_npu.mblt: could not register the Mobilint model types: %s", exc)
+
+
+def _placeholder_base() -> type:
+    import torch.nn as nn
+
+    return nn.Module
+
+
+class MobilintForCausalLM(_placeholder_base()):  # type: ignore[misc]
+    """Registry placeholder for Mobilint text LLM architectures (see the module docstring).
+
+    Raises:
+        MobilintModelNotBuildable: always, when constructed.
+    """
+
+    def __init__(self, *, vllm_config, prefix: str = "") -> None:  # noqa: ARG002
+        raise MobilintModelNotBuildable(
+            "Mobilint MXQ models run only under the MBLT worker: start vLLM with "
+            "NPU_HARNESS_TARGET=mblt-sim or mblt-hw"
+        )
+
+    def embed_input_ids(self, input_ids):  # pragma: no cover - never built
+        raise MobilintModelNotBuildable("placeholder")
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):  # pragma: no cover
+        raise MobilintModelNotBuildable("placeholder")
+
+    def compute_logits(self, hidden_states):  # pragma: no cover
+        raise MobilintModelNotBuildable("placeholder")

@@ -1,0 +1,529 @@
+"""The MBLT vLLM worker: runs each scheduled step on MXQ slots through the runtime API.
+
+vLLM's engine calls, in order: ``init_device``, ``load_model``, ``get_kv_cache_spec``,
+``determine_available_memory``, ``initialize_from_config``, ``compile_or_warm_up_model``,
+then ``execute_model`` once per step (it always returns the step's ``ModelRunnerOutput``,
+sampling included, so ``sample_tokens`` is never reached).
+
+The KV lives on the device, per slot ``(model_idx, cache_id)``; vLLM's block manager only
+does the accounting (a one-byte-per-token ``MLAAttentionSpec``), sized for
+``max_batch_size + 1`` sequences of ``max_model_len`` tokens.
+
+Per step:
+1. finished requests release their slot and become prefix snapshots (no dump);
+2. new requests get a slot (batch models: the lowest free vLLM slot ``s`` →
+   ``divmod(s, K)``; non-batch models: everyone shares ``(0, 0)``) and, when vLLM's prefix
+   cache says tokens are already computed, their KV comes from the best snapshot if the
+   cost model expects the load to beat recomputing, else it is recomputed;
+3. each request's cache is bound to its slot (saving the previous holder to host), its
+   tokens ``[cache_len, scheduled_end)`` run in pieces of at most ``max_width``, rows of
+   different slots in one dispatch;
+4. requests whose prompt is complete sample on the host (:mod:`vllm_npu.mblt.sampling`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.v1.worker.worker_base import WorkerBase
+
+from vllm_npu.mblt import prefix_cache as pc
+from vllm_npu.mblt import settings
+from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
+from vllm_npu.mblt.runtime import load_runtime
+from vllm_npu.mblt.sampling import HostSampler, SampleRequest
+from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
+from vllm_npu.targets import selected_target
+
+logger = logging.getLogger("vllm_npu.mblt")
+
+EMBED_TENSOR = "model.embed_tokens.weight"
+SHORT_CACHE_WARNING = (
+    "MBLT request cache holds fewer tokens than the scheduler expects for req_id=%s "
+    "(cache_id=%s, live_tokens=%s, expected=%d). Recomputing the rest of the prefix. occurrences=%d"
+)
+
+
+class MbltWorkerError(RuntimeError):
+    """The worker cannot serve as configured (the message names the values)."""
+
+
+class NoFreeSlotError(MbltWorkerError):
+    """Every accelerator cache slot is taken."""
+
+
+@dataclass(eq=False)
+class _Req:
+    req_id: str
+    prompt_ids: list[int]
+    params: Any
+    kv: RequestKV
+    vslot: int | None
+    generator: torch.Generator | None
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def _read_artifact_config(model_dir: str) -> dict[str, Any]:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise MbltWorkerError(f"cannot read the MXQ artifact config {path}: {exc}") from exc
+
+
+def _load_embeddings(model_dir: str) -> np.ndarray:
+    from safetensors.numpy import load_file
+
+    d = Path(model_dir)
+    for name in ("model.safetensors", "embedding.safetensors"):
+        if (d / name).is_file():
+            tensors = load_file(str(d / name))
+            if EMBED_TENSOR in tensors:
+                return np.ascontiguousarray(tensors[EMBED_TENSOR], dtype=np.float32)
+    raise MbltWorkerError(f"no {EMBED_TENSOR!r} in {d}/model.safetensors: the host-side embedding is missing")
+
+
+class MbltWorker(WorkerBase):
+    """vLLM worker for Mobilint MXQ artifacts (see the module docstring)."""
+
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.max_model_len = int(self.model_config.max_model_len)
+        self.block_size = int(self.cache_config.block_size)
+        self.enable_prefix_caching = bool(self.cache_config.enable_prefix_caching)
+        self.overrides = settings.parse_loader_extra_config(self.load_config.model_loader_extra_config)
+        self.artifact = _read_artifact_config(self.model_config.model)
+        self.core_mode = settings.resolve_core_mode(self.overrides, self.artifact)
+        self.max_batch_size = settings.resolve_max_batch_size(self.overrides, self.artifact) or 1
+        self.pc_settings = pc.prefix_cache_settings(os.environ, self.overrides.prefix_cache)
+        self.cost_model = pc.PrefixCacheCostModel(self.pc_settings)
+        self.backend: MbltBackend | None = None
+        self.reqs: dict[str, _Req] = {}
+        self.free_vslots: list[int] = list(range(self.max_batch_size))
+        self.snapshots: pc.SnapshotIndex[RequestKV] = pc.SnapshotIndex(pc.MAX_FINISHED_SNAPSHOTS)
+        self.table: SlotTable | None = None
+        self.sampler: HostSampler | None = None
+        self.tracer = None
+        self.short_cache_warnings = 0
+        self.kv_cache_config = None
+        self.stats = {"prefix_loads": 0, "prefix_recomputes": 0, "steps": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init_device(self) -> None:
+        self.device = torch.device("cpu")
+        logger.info("MBLT worker rank %d: host device cpu, MXQ runtime target %s", self.rank, selected_target())
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:  # noqa: ARG002
+        """Create the MXQ model instances and check them against the scheduler.
+
+        Raises:
+            vllm_npu.mblt.settings.MbltConfigError: ``max_model_len`` exceeds the loaded
+                artifact's KV capacity (both numbers named), or a bad layout value.
+            vllm_npu.mblt.backend.MbltBackendError: the runtime could not create the
+                instances (its error chained).
+        """
+        target = selected_target() or "mblt-sim"
+        runtime = load_runtime(target)
+        model_dir = self.model_config.model
+        mxq_rel = self.overrides.extra.get("mxq_path") or self.artifact.get("mxq_path")
+        if not mxq_rel:
+            raise MbltWorkerError(f"{model_dir}/config.json names no mxq_path")
+        mxq_path = str(Path(model_dir) / str(mxq_rel))
+        dev_no = self.overrides.dev_no
+        if dev_no is None:
+            raw = self.artifact.get("dev_no", 0)
+            dev_no = tuple(raw) if isinstance(raw, list) else (int(raw),)
+        core_mode = self.core_mode or "auto"
+        if core_mode == "auto" and self.overrides.target_cores:
+            core_mode = "single"  # explicit cores place single-core instances
+        layout = BackendLayout(
+            dev_no=tuple(dev_no),
+            core_mode=core_mode,
+            target_cores=self.overrides.target_cores,
+            target_clusters=self.overrides.target_clusters,
+            max_batch_size=self.max_batch_size,
+            device_name=str(self.artifact.get("target_device", "aries")).split("-")[0] or "aries",
+        )
+        backend = MbltBackend.create(runtime, mxq_path, layout)
+        try:
+            if self.max_model_len > backend.max_cache_size:
+                raise settings.MbltConfigError(
+                    f"max_model_len={self.max_model_len} exceeds the KV capacity of the loaded MXQ "
+                    f"{mxq_path} ({backend.max_cache_size} tokens per cache id). "
+                    f"Pass --max-model-len {backend.max_cache_size} or lower."
+                )
+            self.embeddings = _load_embeddings(model_dir)
+            if self.embeddings.shape[1] != backend.hidden_size:
+                raise MbltWorkerError(
+                    f"embedding width {self.embeddings.shape[1]} does not match the MXQ input width "
+                    f"{backend.hidden_size}"
+                )
+        except Exception:
+            backend.dispose()
+            raise
+        self.backend = backend
+        self.runtime = runtime
+        self.table = SlotTable(backend.dump, backend.load, self.cost_model.observe_dump, self.cost_model.observe_load)
+        self.sampler = HostSampler(backend.vocab_size)
+        cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
+        self.snapshots.set_cap(cap)
+        logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))
+        logger.info(
+            "MBLT backend: %d MXQ instance(s) on device(s) %s, K=%d cache ids each, max_width %d, "
+            "KV capacity %d tokens, logits %s",
+            len(backend.models), backend.model_dev_no, backend.k_per_model, backend.max_width,
+            backend.max_cache_size, backend.output_layout,
+        )
+        if self.enable_prefix_caching and self.pc_settings.calibrate:
+            self._calibrate()
+
+    def _calibrate(self) -> None:
+        """Measure one-cache-id prefill time at 1, 2, 4, 8 KV blocks (3 runs, first dropped)."""
+        assert self.backend is not None
+        slot = self.backend.slot_of(1 if self.max_batch_size > 1 else 0)
+        try:
+            for blocks in pc.CALIBRATION_BLOCKS:
+                tokens = self.block_size * blocks
+                if tokens > min(self.max_model_len, 1024, self.backend.max_cache_size):
+                    break
+                runs = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    self._run_tokens_cacheless(slot, tokens)
+                    runs.append((time.perf_counter() - t0) * 1e3)
+                self.cost_model.observe_prefill(tokens, statistics.median(runs[1:]))
+        except Exception as exc:  # noqa: BLE001 - calibration is best effort, as in vllm-mblt
+            logger.debug("Skipping Mobilint prefix-cache prefill calibration: %s", exc)
+        finally:
+            assert self.table is not None
+            self.table.clear()
+
+    def _run_tokens_cacheless(self, slot: tuple[int, int], tokens: int) -> None:
+        assert self.backend is not None
+        x = np.zeros((tokens, self.backend.hidden_size), np.float32)
+        width = self.backend.max_width
+        for start in range(0, tokens, width):
+            self.backend.infer_rows([Row(slot[0], slot[1], x[start:start + width], start)])
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        return {"mblt": MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=1,
+                                         dtype=torch.int8)}
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        """No host attention backend exists: the KV lives on the device, any layout name works."""
+        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
+
+        return [layout.name for layout in get_supported_kv_cache_layouts([])]
+
+    def _num_blocks(self) -> int:
+        return (self.max_batch_size + 1) * math.ceil(self.max_model_len / self.block_size)
+
+    def determine_available_memory(self) -> int:
+        spec = self.get_kv_cache_spec()["mblt"]
+        return self._num_blocks() * spec.page_size_bytes
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        self.kv_cache_config = kv_cache_config
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:  # noqa: ARG002
+        if num_gpu_blocks != self._num_blocks():
+            raise MbltWorkerError(f"GPU Blocks mismatch: expected {self._num_blocks()}, got {num_gpu_blocks}")
+
+    def compile_or_warm_up_model(self):
+        from vllm.v1.worker.worker_base import CompilationTimes
+
+        return CompilationTimes(language_model=0.0, encoder=0.0)
+
+    def synchronize_device(self) -> None:
+        """Every runtime call blocks until the device is done: nothing to wait for."""
+        return None
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def get_model(self):
+        return None
+
+    def check_health(self) -> None:
+        if self.backend is None:
+            raise MbltWorkerError("MBLT Accelerator/Model is not initialized.")
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self.block_size
+
+    def add_lora(self, lora_request) -> bool:  # noqa: ARG002
+        raise MbltWorkerError("LoRA is not supported by the MBLT worker")
+
+    def remove_lora(self, lora_id: int) -> bool:  # noqa: ARG002
+        return False
+
+    def pin_lora(self, lora_id: int) -> bool:  # noqa: ARG002
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:  # noqa: ARG002
+        """Start/stop a qbruntime NPU event trace (``VLLM_TORCH_PROFILER_DIR``).
+
+        Raises:
+            vllm_npu.mblt.tracing.MbltTraceError: the runtime refused to start, or the log
+                was not written.
+            MbltWorkerError: tracing is not enabled (no ``VLLM_TORCH_PROFILER_DIR``).
+        """
+        from vllm_npu.mblt.tracing import MbltTracer
+
+        trace_dir = os.environ.get("VLLM_TORCH_PROFILER_DIR", "")
+        if not trace_dir:
+            raise MbltWorkerError("MBLT NPU tracing is not enabled: set VLLM_TORCH_PROFILER_DIR before starting the server")
+        if self.tracer is None:
+            self.tracer = MbltTracer(self.runtime, trace_dir, self.rank)
+        if is_start:
+            self.tracer.start()
+        else:
+            self.tracer.stop()
+
+    def shutdown(self) -> None:
+        if self.tracer is not None:
+            self.tracer.shutdown()
+        if self.backend is not None:
+            self.backend.dispose()
+            self.backend = None
+        if self.table is not None:
+            self.table.clear()
+        self.reqs.clear()
+
+    def sample_tokens(self, grammar_output):  # noqa: ARG002
+        raise NotImplementedError("the MBLT worker samples inside execute_model")
+
+    # ------------------------------------------------------------------ requests and slots
+
+    def _assign_vslot(self, req_id: str) -> int | None:
+        if self.max_batch_size <= 1:
+            return None
+        if not self.free_vslots:
+            raise NoFreeSlotError(
+                f"No free accelerator cache slots remain for batch execution. req_id={req_id}, "
+                f"max_batch_size={self.max_batch_size}"
+            )
+        return self.free_vslots.pop(0)
+
+    def _release_vslot(self, st: _Req) -> None:
+        if st.vslot is not None:
+            self.free_vslots.append(st.vslot)
+            self.free_vslots.sort()
+            st.vslot = None
+
+    def _slot_for(self, vslot: int | None) -> tuple[int, int]:
+        assert self.backend is not None
+        return (0, 0) if vslot is None else self.backend.slot_of(vslot)
+
+    def _finish(self, req_id: str) -> None:
+        st = self.reqs.pop(req_id, None)
+        if st is None:
+            return
+        self._release_vslot(st)
+        assert self.table is not None
+        if self.enable_prefix_caching and st.kv.length:
+            for _key, old in self.snapshots.add(req_id, list(st.kv.token_ids), st.kv):
+                self.table.release(old)
+        else:
+            self.table.release(st.kv)
+
+    def _preempt(self, req_id: str) -> None:
+        st = self.reqs.get(req_id)
+        if st is None:
+            return
+        assert self.table is not None
+        self.table.save(st.kv)
+        self.table.release(st.kv)
+        self._release_vslot(st)
+
+    def _add(self, new) -> None:
+        params = new.sampling_params
+        gen = None
+        if params is not None and params.seed is not None:
+            gen = torch.Generator(device="cpu")
+            gen.manual_seed(params.seed)
+        vslot = self._assign_vslot(new.req_id)
+        st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
+                  RequestKV(self._slot_for(vslot)), vslot, gen)
+        st.num_computed = new.num_computed_tokens
+        self.reqs[new.req_id] = st
+
+    def _resume(self, st: _Req) -> None:
+        if self.max_batch_size > 1 and st.vslot is None:
+            st.vslot = self._assign_vslot(st.req_id)
+            new_slot = self._slot_for(st.vslot)
+            if new_slot != st.kv.slot:
+                assert self.table is not None
+                self.table.release(st.kv)
+                st.kv.slot = new_slot
+
+    def _restore_prefix(self, st: _Req, target: int) -> None:
+        """Give ``st`` KV for ``[0, target)`` where possible; the rest is recomputed."""
+        assert self.table is not None
+        ids = st.all_ids
+        kv = st.kv
+        common = 0
+        for a, b in zip(kv.token_ids, ids[:target]):
+            if a != b:
+                break
+            common += 1
+        if common < kv.length:
+            kv.truncate(common)
+        if kv.length >= target:
+            kv.truncate(target)
+            return
+        if kv.length > 0:
+            self.short_cache_warnings += 1
+            logger.warning(SHORT_CACHE_WARNING, st.req_id, kv.slot[1], kv.length, target, self.short_cache_warnings)
+            return
+        if not self.enable_prefix_caching:
+            return
+        match = self.snapshots.best_match(ids[:target], target)
+        if match is None:
+            self.stats["prefix_recomputes"] += 1
+            return
+        key, snap, matched = match
+        ok, reason = self.cost_model.should_load(matched, kv.slot[1])
+        if not ok:
+            self.stats["prefix_recomputes"] += 1
+            logger.info("MBLT prefix snapshot %s: recompute %d tokens for req_id=%s (%s)", key, matched, st.req_id, reason)
+            return
+        self.snapshots.touch(key)
+        self.table.save(snap)
+        if self.table.holder(kv.slot) is snap:
+            self.table.owner[kv.slot] = kv
+            kv.token_ids = list(snap.token_ids[:matched])
+            kv.host, kv.host_len = None, 0
+        else:
+            kv.host = snap.host
+            kv.token_ids = list(snap.token_ids[:matched])
+            kv.host_len = matched
+            self.table.bind(kv)
+        self.stats["prefix_loads"] += 1
+        logger.info("MBLT prefix snapshot %s: load %d tokens for req_id=%s (%s)", key, matched, st.req_id, reason)
+
+    # ------------------------------------------------------------------ the step
+
+    def execute_model(self, scheduler_output):
+        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+        so = scheduler_output
+        for rid in so.finished_req_ids:
+            self._finish(rid)
+        for rid in so.preempted_req_ids or ():
+            self._preempt(rid)
+        for new in so.scheduled_new_reqs:
+            self._add(new)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            st = self.reqs[rid]
+            if rid in cached.resumed_req_ids:
+                all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
+                if all_ids is not None:
+                    st.output_ids = list(all_ids[len(st.prompt_ids):])
+                self._resume(st)
+            st.num_computed = cached.num_computed_tokens[i]
+
+        order = list(so.num_scheduled_tokens)
+        if not order:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        self.stats["steps"] += 1
+        work: list[tuple[_Req, int]] = []
+        for rid in order:
+            st = self.reqs[rid]
+            end = st.num_computed + so.num_scheduled_tokens[rid]
+            self._restore_prefix(st, st.num_computed)
+            work.append((st, end))
+        logits = self._run(work)
+
+        to_sample = [i for i, (st, end) in enumerate(work) if end >= len(st.prompt_ids) and end == len(st.all_ids)]
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs = None
+        if to_sample:
+            assert self.sampler is not None
+            reqs = [SampleRequest(work[i][0].params, work[i][0].prompt_ids, work[i][0].output_ids, work[i][0].generator)
+                    for i in to_sample]
+            toks, lp = self.sampler.sample(np.stack([logits[i] for i in to_sample]), reqs)
+            for i, tok in zip(to_sample, toks):
+                sampled[i] = [int(tok)]
+                work[i][0].output_ids.append(int(tok))
+            if lp is not None:
+                lists = lp.tolists()
+                n, width = len(order), lists.logprobs.shape[1]
+                ids = np.zeros((n, width), lists.logprob_token_ids.dtype)
+                vals = np.zeros((n, width), lists.logprobs.dtype)
+                ranks = np.zeros((n,), lists.sampled_token_ranks.dtype)
+                for row, i in enumerate(to_sample):
+                    ids[i], vals[i], ranks[i] = lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row]
+                logprobs = LogprobsLists(ids, vals, ranks, None)
+        return ModelRunnerOutput(
+            req_ids=order,
+            req_id_to_index={rid: i for i, rid in enumerate(order)},
+            sampled_token_ids=sampled,
+            logprobs=logprobs,
+            prompt_logprobs_dict={},
+        )
+
+    def _run(self, work: list[tuple[_Req, int]]) -> list[np.ndarray | None]:
+        """Compute each request's tokens ``[cache_len, end)``; return its last-token logits."""
+        assert self.backend is not None and self.table is not None
+        width = self.backend.max_width
+        out: list[np.ndarray | None] = [None] * len(work)
+        pending = []
+        for i, (st, end) in enumerate(work):
+            ids = st.all_ids[:end]
+            start = st.kv.length
+            if start >= end:
+                raise MbltCacheStateError(
+                    f"req_id={st.req_id}: nothing to compute (cache holds {start} tokens, step ends at {end})"
+                )
+            pending.append([i, st, ids, start])
+        if self.max_batch_size <= 1:
+            for i, st, ids, start in pending:
+                self.table.bind(st.kv)
+                while start < len(ids):
+                    piece = ids[start:start + width]
+                    res = self.backend.infer_rows([Row(*st.kv.slot, self.embeddings[piece], start)])
+                    st.kv.note_write(start, piece)
+                    out[i] = res[0]
+                    start += len(piece)
+            return [o if o is None or o.ndim == 1 else o[-1] for o in out]
+        for _i, st, _ids, _start in pending:
+            self.table.bind(st.kv)
+        while pending:
+            rows, owners = [], []
+            for item in pending:
+                i, st, ids, start = item
+                piece = ids[start:start + width]
+                rows.append(Row(*st.kv.slot, self.embeddings[piece], start))
+                owners.append((item, piece))
+            res = self.backend.infer_rows(rows)
+            for (item, piece), r in zip(owners, res):
+                i, st, ids, start = item
+                st.kv.note_write(start, piece)
+                out[i] = r
+                item[3] = start + len(piece)
+            pending = [item for item in pending if item[3] < len(item[2])]
+        return [o if o is None or o.ndim == 1 else o[-1] for o in out]
