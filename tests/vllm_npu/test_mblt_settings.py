@@ -229,16 +229,16 @@ def test_resolve_positive_int_cases(raw, mode, expected):
 
 
 def test_unresolved_dict_warns_with_the_reference_text(caplog):
-    with caplog.at_level(logging.WARNING, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
         assert resolve_positive_int({"single": 64}, name="npu_prefill_chunk_size", core_mode="global4") is None
     assert caplog.records[-1].getMessage() == (
         "Could not resolve npu_prefill_chunk_size from model config for core_mode=global4: {'single': 64}"
     )
-    assert caplog.records[-1].name == "vllm_npu.mblt"
+    assert caplog.records[-1].name == "vllm.vllm_npu.mblt"
 
 
 def test_single_entry_under_auto_is_logged_at_info(caplog):
-    with caplog.at_level(logging.INFO, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.INFO, logger="vllm.vllm_npu.mblt"):
         resolve_positive_int({"global4": 256}, name="npu_prefill_chunk_size", core_mode="auto")
     assert [r.levelno for r in caplog.records] == [logging.INFO]
     assert "'global4'=256" in caplog.records[0].getMessage()
@@ -307,7 +307,7 @@ def test_prefill_chunk_default_and_clamp(caplog):
     assert resolve_prefill_chunk({"npu_prefill_chunk_size": 512}, "global8", 1) == (512, [])
     assert resolve_prefill_chunk({"npu_prefill_chunk_size": 64}, None, 32) == (64, [])
     line = "Clamping model-configured chunked prefill size from 256 to 128 for batch execution."
-    with caplog.at_level(logging.WARNING, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
         assert resolve_prefill_chunk({"npu_prefill_chunk_size": 256}, None, 2) == (128, [line])
     assert caplog.records[-1].getMessage() == line
 
@@ -357,7 +357,7 @@ def test_max_num_seqs_clamped_kept_or_taken(caplog):
     cfg = {"max_batch_size": 8}
     assert plan(cfg).max_num_seqs == 8
     assert plan(cfg, user_max_num_seqs=3).max_num_seqs == 3
-    with caplog.at_level(logging.WARNING, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
         p = plan(cfg, user_max_num_seqs=64)
     assert p.max_num_seqs == 8 and p.max_num_batched_tokens == 8 * 128
     assert ("Clamping scheduler max_num_seqs from 64 to model-configured max batch size 8."
@@ -398,7 +398,7 @@ def test_bad_user_values_are_rejected(user, word):
 
 
 def test_plan_logs_its_numbers(caplog):
-    with caplog.at_level(logging.INFO, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.INFO, logger="vllm.vllm_npu.mblt"):
         plan({"max_batch_size": 32, "npu_prefill_chunk_size": 64})
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "max_num_batched_tokens=2048" in text

@@ -53,7 +53,7 @@ def test_second_start_is_refused_with_a_warning(tmp_path, caplog, same):
     rt, first = make(tmp_path)
     second = first if same else make(tmp_path, rt, rank=1)[1]
     path = first.start()
-    with caplog.at_level(logging.WARNING, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
         assert second.start() is None
     assert "already recording" in caplog.text and str(path) in caplog.text
     assert [c for c, _ in rt.state.trace_calls] == ["start"]
@@ -69,14 +69,14 @@ def test_benchmark_helper_trace_refuses_start(tmp_path, caplog, monkeypatch):
     helper._ACTIVE_QBRUNTIME_TRACE_HANDLE = object()
     monkeypatch.setitem(sys.modules, helper.__name__, helper)
     rt, tracer = make(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
         assert tracer.start() is None
     assert "transformers_mblt" in caplog.text and rt.state.trace_calls == []
 
 
 def test_stop_without_start_only_logs(tmp_path, caplog):
     rt, tracer = make(tmp_path)
-    with caplog.at_level(logging.INFO, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.INFO, logger="vllm.vllm_npu.mblt"):
         assert tracer.stop() is None
     assert "nothing to stop" in caplog.text and rt.state.trace_calls == []
 
@@ -112,7 +112,7 @@ def test_shutdown_stops_a_running_trace(tmp_path):
 def test_shutdown_logs_and_swallows_errors(tmp_path, caplog):
     rt, tracer = make(tmp_path, make_fake_runtime(trace_writes_file=False))
     tracer.start()
-    with caplog.at_level(logging.ERROR, logger="vllm_npu.mblt"):
+    with caplog.at_level(logging.ERROR, logger="vllm.vllm_npu.mblt"):
         assert tracer.shutdown() is None
     assert "during shutdown" in caplog.text and not tracer.running
 

@@ -59,7 +59,7 @@ __all__ = [
     "probe_output_layout",
 ]
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 
 @dataclass(frozen=True)

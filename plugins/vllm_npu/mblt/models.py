@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 #: Mobilint model type -> (architecture, transformers base config class name).
 TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {

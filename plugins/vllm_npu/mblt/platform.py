@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 WORKER_CLS = "vllm_npu.mblt.worker.MbltWorker"
 TRACE_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"

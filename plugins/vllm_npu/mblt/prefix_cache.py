@@ -24,7 +24,7 @@ from typing import Generic, TypeVar
 
 from vllm_npu.mblt.settings import PREFIX_CACHE_KEYS, PREFIX_CACHE_PARSERS, MbltConfigError
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 #: Most finished snapshots kept, whatever the host budget.
 MAX_FINISHED_SNAPSHOTS = 16

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 PENALTIES_ENV = "VLLM_MBLT_ENABLE_SAMPLING_PENALTIES"
 _GREEDY_EPS = 1e-5

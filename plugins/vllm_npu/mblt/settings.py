@@ -27,7 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 #: The core modes qbruntime knows (``ModelConfig`` setters), as ``config.json`` spells them.
 CORE_MODES: tuple[str, ...] = ("auto", "single", "multi", "global4", "global8")

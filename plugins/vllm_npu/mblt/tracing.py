@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = ["EXTERNAL_TRACE_MODULES", "MbltTraceError", "MbltTracer", "active_tracer"]
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 #: Modules whose ``_ACTIVE_QBRUNTIME_TRACE_HANDLE`` marks a trace started by their benchmark
 #: helpers; consulted only if already in ``sys.modules``.

@@ -45,7 +45,7 @@ from vllm_npu.mblt.sampling import HostSampler, SampleRequest
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
 
-logger = logging.getLogger("vllm_npu.mblt")
+logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 EMBED_TENSOR = "model.embed_tokens.weight"
 SHORT_CACHE_WARNING = (
