@@ -77,3 +77,21 @@ def hf_model() -> Callable[..., Any]:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def mblt_labs(tmp_path_factory: pytest.TempPathFactory):
+    """Factory ``mblt_labs(target_name) -> npu_conformance.mblt.MbltLab``: one per target per
+    session (artifacts built once, servers started once); every server is stopped at the end."""
+    from npu_conformance.mblt import MbltLab
+
+    labs: dict[str, MbltLab] = {}
+
+    def get(name: str) -> MbltLab:
+        if name not in labs:
+            labs[name] = MbltLab(name, tmp_path_factory.mktemp(f"mblt-{name}"))
+        return labs[name]
+
+    yield get
+    for lab in labs.values():
+        lab.close()

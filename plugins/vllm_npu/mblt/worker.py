@@ -62,6 +62,10 @@ class NoFreeSlotError(MbltWorkerError):
     """Every accelerator cache slot is taken."""
 
 
+class MbltDeviceError(MbltWorkerError):
+    """An infer failed again after the one retry (the runtime's error is chained)."""
+
+
 @dataclass(eq=False)
 class _Req:
     req_id: str
@@ -486,6 +490,25 @@ class MbltWorker(WorkerBase):
             prompt_logprobs_dict={},
         )
 
+    def _infer(self, rows: list[Row]) -> list[np.ndarray]:
+        """One dispatch; a runtime error is retried once (every row rewrites the same KV
+        positions, so the retry is exact), then raised as :class:`MbltDeviceError`."""
+        assert self.backend is not None
+        runtime_error = getattr(self.runtime, "QbRuntimeError", RuntimeError)
+        try:
+            return self.backend.infer_rows(rows)
+        except runtime_error as first:
+            self.stats["infer_retries"] = self.stats.get("infer_retries", 0) + 1
+            logger.warning("MBLT infer failed on slots %s; retrying the step once: %s",
+                           [(r.model_idx, r.cache_id) for r in rows], str(first).splitlines()[0])
+            try:
+                return self.backend.infer_rows(rows)
+            except runtime_error as second:
+                raise MbltDeviceError(
+                    f"MBLT infer failed twice on slots {[(r.model_idx, r.cache_id) for r in rows]}: "
+                    f"{str(second).splitlines()[0]} (the runtime's detail is in the server log)"
+                ) from second
+
     def _run(self, work: list[tuple[_Req, int]]) -> list[np.ndarray | None]:
         """Compute each request's tokens ``[cache_len, end)``; return its last-token logits."""
         assert self.backend is not None and self.table is not None
@@ -505,7 +528,7 @@ class MbltWorker(WorkerBase):
                 self.table.bind(st.kv)
                 while start < len(ids):
                     piece = ids[start:start + width]
-                    res = self.backend.infer_rows([Row(*st.kv.slot, self.embeddings[piece], start)])
+                    res = self._infer([Row(*st.kv.slot, self.embeddings[piece], start)])
                     st.kv.note_write(start, piece)
                     out[i] = res[0]
                     start += len(piece)
@@ -519,7 +542,7 @@ class MbltWorker(WorkerBase):
                 piece = ids[start:start + width]
                 rows.append(Row(*st.kv.slot, self.embeddings[piece], start))
                 owners.append((item, piece))
-            res = self.backend.infer_rows(rows)
+            res = self._infer(rows)
             for (item, piece), r in zip(owners, res):
                 i, st, ids, start = item
                 st.kv.note_write(start, piece)

@@ -1,0 +1,209 @@
+"""What the MBLT serving scenarios stand on: artifacts for the target, vLLM servers on them,
+and vLLM's resolved engine config for a given artifact and command line.
+
+* On ``mblt-sim`` artifacts are compiled here from the tiny llama (``npusim.mxq.compile``),
+  and the golden decoder (``npusim.llm``) is the reference for greedy outputs.
+* On ``mblt-hw`` the base artifact is a real Mobilint release directory named by
+  ``NPU_HARNESS_MBLT_ARTIFACT``; scenarios that need another ``config.json`` get a copy of
+  it whose other files are symlinks (the MXQ is never copied). There is no golden decoder for
+  a release model: scenarios compare against the same requests sent one at a time.
+
+Servers are real ``vllm serve`` processes with ``NPU_HARNESS_TARGET`` set to the target;
+each distinct (artifact, arguments, environment) starts once per session.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from npu_conformance import vllm_server as vs
+
+ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
+CONFIG_MARK = "NPU_HARNESS_CONFIG "
+
+_PROBE = r'''
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+try:
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+except ImportError:
+    from vllm.utils import FlexibleArgumentParser
+for argv in json.loads(sys.argv[1]):
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    try:
+        cfg = EngineArgs.from_cli_args(parser.parse_args(argv)).create_engine_config()
+    except Exception as exc:
+        print("NPU_HARNESS_CONFIG " + json.dumps({"error": f"{type(exc).__name__}: {exc}"}), flush=True)
+        continue
+    s, c = cfg.scheduler_config, cfg.cache_config
+    print("NPU_HARNESS_CONFIG " + json.dumps({
+        "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+        "long_prefill_token_threshold": s.long_prefill_token_threshold,
+        "block_size": c.block_size, "enable_prefix_caching": c.enable_prefix_caching,
+        "worker_cls": cfg.parallel_config.worker_cls}), flush=True)
+'''
+
+
+class ArtifactUnavailable(Exception):
+    """The target cannot provide the artifact a scenario needs (the scenario skips)."""
+
+
+@dataclass
+class MbltLab:
+    """Per-session artifacts and servers for one MBLT target (``mblt-sim`` or ``mblt-hw``)."""
+
+    target: str
+    workdir: Path
+    servers: dict[str, vs.Server] = field(default_factory=dict)
+    _artifacts: dict[str, Path] = field(default_factory=dict)
+    _hf_dir: Path | None = None
+    _golden: Any = None
+
+    @property
+    def simulated(self) -> bool:
+        return self.target == "mblt-sim"
+
+    # ------------------------------------------------------------------ artifacts
+
+    def hf_dir(self) -> Path:
+        """The tiny llama HF directory the simulated artifacts are compiled from."""
+        if self._hf_dir is None:
+            from npusim import tinymodel
+
+            self._hf_dir = tinymodel.build("llama", self.workdir / "tiny-llama")
+        return self._hf_dir
+
+    def golden(self):
+        """The golden decoder of the simulated artifacts (None on hardware)."""
+        if not self.simulated:
+            return None
+        if self._golden is None:
+            from npusim.llm import Decoder
+
+            self._golden = Decoder.from_pretrained(self.hf_dir())
+        return self._golden
+
+    def base_k(self, artifact: Path) -> int:
+        """The compiled batch capacity K the artifact's config declares (1 when absent)."""
+        cfg = json.loads((artifact / "config.json").read_text())
+        return int(cfg.get("max_batch_size") or 1)
+
+    def artifact(self, *, k: int = 4, core_mode: str = "single", chunk: Any = None,
+                 max_cache_size: int | None = None, edits: Mapping[str, Any] | None = None,
+                 drop: Sequence[str] = ()) -> Path:
+        """An artifact with batch capacity ``k`` (``k=0``: whatever the hardware base has),
+        its ``config.json`` changed by ``edits`` and without the keys in ``drop``.
+
+        Raises:
+            ArtifactUnavailable: on hardware, no ``NPU_HARNESS_MBLT_ARTIFACT``, or its K
+                differs from a required ``k``.
+        """
+        key = json.dumps([k, core_mode, chunk, max_cache_size, dict(edits or {}), list(drop)],
+                         sort_keys=True, default=str)
+        if key in self._artifacts:
+            return self._artifacts[key]
+        if self.simulated:
+            from npusim.mxq.compile import compile_artifact
+
+            base = self.workdir / f"mxq-{len(self._artifacts)}"
+            compile_artifact(self.hf_dir(), base, max_batch_size=max(k, 1), core_mode=core_mode,
+                             prefill_chunk_size=chunk if chunk is not None else 128,
+                             max_cache_size=max_cache_size)
+            out = base
+            if edits or drop:
+                out = self._variant(base, edits, drop)
+        else:
+            raw = os.environ.get(ARTIFACT_ENV, "")
+            if not raw:
+                raise ArtifactUnavailable(f"set {ARTIFACT_ENV} to a Mobilint MXQ artifact directory")
+            base = Path(raw)
+            if k and self.base_k(base) != k:
+                raise ArtifactUnavailable(
+                    f"scenario needs an MXQ compiled with batch {k}; {base} declares {self.base_k(base)}"
+                )
+            out = self._variant(base, edits, drop) if (edits or drop) else base
+        self._artifacts[key] = out
+        return out
+
+    def _variant(self, base: Path, edits: Mapping[str, Any] | None, drop: Sequence[str]) -> Path:
+        out = self.workdir / f"variant-{len(self._artifacts)}-{base.name}"
+        out.mkdir(parents=True, exist_ok=True)
+        for f in base.iterdir():
+            if f.name != "config.json" and not (out / f.name).exists():
+                (out / f.name).symlink_to(f.resolve())
+        cfg = json.loads((base / "config.json").read_text())
+        for name in drop:
+            cfg.pop(name, None)
+        cfg.update(edits or {})
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+        return out
+
+    # ------------------------------------------------------------------ vLLM
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return vs.vllm_env(self.target, **extra)
+
+    def server(self, artifact: Path, args: Sequence[str] = (), **env: str) -> vs.Server:
+        """A running ``vllm serve ARTIFACT ARGS`` (started once per session per combination).
+
+        Raises:
+            vllm_server.ServerError: it exited or did not become healthy.
+        """
+        key = json.dumps([str(artifact), list(args), env], sort_keys=True)
+        srv = self.servers.get(key)
+        if srv is not None and srv.alive():
+            return srv
+        log = self.workdir / f"serve-{len(self.servers)}.log"
+        srv = vs.start(artifact, args, env=self.env(**env), log=log)
+        self.servers[key] = srv
+        return srv
+
+    def refused_start(self, artifact: Path, args: Sequence[str] = (), **env: str) -> str:
+        """Start ``vllm serve`` expecting it to exit; returns its log.
+
+        Raises:
+            AssertionError: it became healthy instead.
+        """
+        log = self.workdir / f"refused-{len(self.servers)}-{os.getpid()}.log"
+        try:
+            srv = vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=300)
+        except vs.ServerError:
+            return log.read_text(errors="replace")
+        srv.stop()
+        raise AssertionError(f"vllm serve {artifact} {' '.join(args)} started; expected a refusal")
+
+    def engine_configs(self, runs: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
+        """vLLM's resolved scheduler/cache config for each argument list (``--model`` ...),
+        through vLLM's own ``EngineArgs.create_engine_config`` with this target's platform,
+        in one subprocess. An argument list vLLM rejects gives ``{"error": message}``."""
+        proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([list(r) for r in runs])],
+                              env=self.env(), capture_output=True, text=True, timeout=600)
+        found = [json.loads(line[len(CONFIG_MARK):]) for line in proc.stdout.splitlines()
+                 if line.startswith(CONFIG_MARK)]
+        if len(found) != len(runs):
+            raise RuntimeError(f"engine config probe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+        return found
+
+    def close(self) -> None:
+        for srv in self.servers.values():
+            srv.stop()
+        self.servers.clear()
+
+
+def completion_ids(result: vs.HttpResult) -> list[int]:
+    """Generated token ids of a ``/v1/completions`` answer made with ``return_token_ids``.
+
+    Raises:
+        AssertionError: the answer is not a 200 with token ids (its body is shown).
+    """
+    assert result.status == 200, f"HTTP {result.status}: {result.body}"
+    ids = result.body["choices"][0].get("token_ids")
+    assert ids is not None, f"no token_ids in {result.body}"
+    return list(ids)
