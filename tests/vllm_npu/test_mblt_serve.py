@@ -116,6 +116,18 @@ class _Side:
         self._fh = open(log, "w")  # noqa: SIM115 - closed in wait()
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT,
                                      env=vllm_server.vllm_env("mblt-sim"))
+        self.seen = threading.Event()
+        if until:  # stop it as soon as the line is logged: it need not finish starting
+            threading.Thread(target=self._watch, daemon=True).start()
+
+    def _watch(self) -> None:
+        deadline = time.monotonic() + SIDE_TIMEOUT_S
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if self.until in self.text():
+                self.seen.set()
+                self.proc.terminate()
+                return
+            time.sleep(0.5)
 
     def text(self) -> str:
         return self.log.read_text(errors="replace")
@@ -125,9 +137,9 @@ class _Side:
         deadline = time.monotonic() + SIDE_TIMEOUT_S
         try:
             while self.proc.poll() is None and time.monotonic() < deadline:
-                if self.until and self.until in self.text():
-                    return None, self.text()
                 time.sleep(0.5)
+            if self.until:
+                return (None if self.seen.is_set() else self.proc.poll()), self.text()
             return self.proc.poll(), self.text()
         finally:
             self.stop()
@@ -296,16 +308,18 @@ def test_concurrent_requests_equal_solo(client, server, golden):
 # ----------------------------------------------------------------------------- refusals
 
 
-REFUSALS = [
+REFUSALS = [  # (parameter named in the error, API, request arguments)
     ("prompt_logprobs", "completions", {"extra_body": {"prompt_logprobs": 1}}),
     ("logit_bias", "completions", {"logit_bias": {"5": 2.0}}),
     ("min_tokens", "completions", {"temperature": 0.8, "extra_body": {"min_tokens": 3}}),
-    ("structured outputs", "chat", {"response_format": {"type": "json_object"}}),
+    ("response_format", "chat", {"response_format": {"type": "json_object"}}),
 ]
 
 
 @pytest.mark.parametrize(("param", "api", "kw"), REFUSALS, ids=[r[0] for r in REFUSALS])
 def test_unsupported_parameter_is_http_400_naming_it(client, server, golden, param, api, kw):
+    """The platform's ``validate_request`` refusal reaches the client as a 400 whose message
+    and ``param`` field name the parameter (not a 500: vLLM wraps non-client errors)."""
     args = {"model": server.model, "max_tokens": 4, "temperature": 0.0}
     args.update(kw)
     with pytest.raises(openai.BadRequestError) as info:
@@ -315,6 +329,10 @@ def test_unsupported_parameter_is_http_400_naming_it(client, server, golden, par
             client.completions.create(prompt="Hello", **args)
     assert info.value.status_code == 400
     assert param in str(info.value), str(info.value)
+    body = info.value.body if isinstance(info.value.body, dict) else {}
+    body = body.get("error", body)
+    assert body.get("param") == param, info.value.body
+    assert "MBLT worker" in body.get("message", ""), info.value.body
     _assert_healthy(client, server, golden)
 
 
