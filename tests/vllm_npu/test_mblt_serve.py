@@ -380,7 +380,8 @@ def test_npu_trace_via_profile_endpoints(client, server, golden):
     # ProfilerAlreadyActiveError) before it reaches the worker; the MBLT tracer's own refusal
     # (one qbruntime trace per process) is unit-tested in test_mblt_tracing.py.
     second = server.request("POST", "/start_profile")
-    assert second.status in (200, 409), second
+    assert second.status == 409, second
+    assert server.alive() and server.request("GET", "/health").status == 200
     prompt_ids, out_ids, _ = _complete_ids(client, server, PROMPTS[1], n=4)
     assert out_ids == golden(prompt_ids, 4)
     assert server.request("POST", "/stop_profile").status == 200
