@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 import torch
+from vllm.exceptions import VLLMValidationError
 from vllm.platforms.interface import Platform, PlatformEnum
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
@@ -28,8 +29,13 @@ WORKER_CLS = "vllm_npu.mblt.worker.MbltWorker"
 TRACE_DIR_ENV = "VLLM_TORCH_PROFILER_DIR"
 
 
-class MbltRequestError(ValueError):
-    """A request asks for something the MBLT worker does not do (answered with HTTP 400)."""
+class MbltRequestError(VLLMValidationError, ValueError):
+    """A request asks for something the MBLT worker does not do (answered with HTTP 400).
+
+    vLLM 0.32's ``AsyncLLM.generate`` re-raises only ``VLLMClientError`` subclasses as they
+    are; any other exception from ``validate_request`` (a plain ``ValueError`` included)
+    becomes an ``EngineGenerateError`` and an HTTP 500 with an empty message.
+    """
 
 
 def _hf_config_dict(vllm_config: Any) -> dict[str, Any]:
@@ -160,26 +166,28 @@ class MbltPlatform(Platform):
         if not isinstance(params, SamplingParams):
             raise MbltRequestError("the MBLT worker serves text generation only (no pooling requests)")
         if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
-            raise MbltRequestError("the MBLT worker takes token prompts only: prompt_embeds is not supported")
-        refused = []
+            raise MbltRequestError("the MBLT worker takes token prompts only: prompt_embeds is not supported",
+                                   parameter="prompt_embeds")
+        refused: list[tuple[str, str]] = []  # (parameter, text)
         if params.prompt_logprobs is not None:
-            refused.append(f"prompt_logprobs={params.prompt_logprobs}")
+            refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}"))
         if params.structured_outputs is not None:
-            refused.append("structured outputs (response_format / guided decoding)")
+            refused.append(("response_format", "structured outputs (response_format / guided decoding)"))
         if params.min_p:
-            refused.append(f"min_p={params.min_p}")
+            refused.append(("min_p", f"min_p={params.min_p}"))
         if params.min_tokens:
-            refused.append(f"min_tokens={params.min_tokens}")
+            refused.append(("min_tokens", f"min_tokens={params.min_tokens}"))
         if params.logit_bias:
-            refused.append("logit_bias")
+            refused.append(("logit_bias", "logit_bias"))
         if params.allowed_token_ids:
-            refused.append("allowed_token_ids")
+            refused.append(("allowed_token_ids", "allowed_token_ids"))
         if params.logprob_token_ids:
-            refused.append("logprob_token_ids")
+            refused.append(("logprob_token_ids", "logprob_token_ids"))
         if refused:
             raise MbltRequestError(
                 "the MBLT worker samples on the host with temperature, top_p, top_k, seed, "
-                "penalties, bad_words and logprobs only; refused: " + ", ".join(refused)
+                "penalties, bad_words and logprobs only; refused: " + ", ".join(t for _p, t in refused),
+                parameter=refused[0][0],
             )
 
     @classmethod
