@@ -25,7 +25,15 @@ START_TIMEOUT_S = 600.0
 
 
 class ServerError(RuntimeError):
-    """The server exited or did not become healthy (the message carries its log's tail)."""
+    """The server exited or did not become healthy (the message carries its log's tail).
+
+    Attributes:
+        returncode: the exit code, or None when it was stopped for not becoming healthy.
+    """
+
+    def __init__(self, message: str, returncode: int | None = None) -> None:
+        super().__init__(message)
+        self.returncode = returncode
 
 
 def vllm_command() -> str:
@@ -122,7 +130,8 @@ def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[st
     deadline = time.monotonic() + timeout_s
     while True:
         if proc.poll() is not None:
-            raise ServerError(f"vllm serve exited {proc.returncode}:\n{server.log_text()[-4000:]}")
+            raise ServerError(f"vllm serve exited {proc.returncode}:\n{server.log_text()[-4000:]}",
+                              proc.returncode)
         try:
             with urllib.request.urlopen(server.base + "/health", timeout=5) as r:
                 if r.status == 200:
@@ -133,20 +142,6 @@ def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[st
             server.stop()
             raise ServerError(f"vllm serve not healthy after {timeout_s:.0f} s:\n{server.log_text()[-4000:]}")
         time.sleep(1)
-
-
-def run_until_exit(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[str, str],
-                   log: Path, timeout_s: float = START_TIMEOUT_S) -> tuple[int | None, str]:
-    """Start ``vllm serve`` expecting it to refuse to start: returns ``(exit code, log)``;
-    ``exit code`` is None when it became healthy instead (it is then stopped)."""
-    try:
-        server = start(model, args, env=env, log=log, timeout_s=timeout_s)
-    except ServerError:
-        text = log.read_text(errors="replace")
-        code = None
-        return (code if code is not None else 1), text
-    server.stop()
-    return None, server.log_text()
 
 
 def stream_lines(server: Server, path: str, payload: Mapping[str, Any], timeout: float = 300.0) -> Iterator[dict]:

@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("vllm")
 
-PROBE = "from vllm.platforms import current_platform; print('DEVICE', current_platform.device_type)"
+PROBE = ("from vllm.platforms import current_platform; "
+         "print('DEVICE', current_platform.device_type, type(current_platform).__qualname__)")
 
 
 def _resolve(value: str | None) -> subprocess.CompletedProcess[str]:
@@ -28,10 +29,17 @@ def test_no_target_keeps_vllms_cpu_platform():
     assert "DEVICE cpu" in proc.stdout
 
 
-def test_an_unbuilt_plugin_fails_loudly_naming_its_issue():
-    proc = _resolve("mblt-sim")
+def test_mblt_targets_resolve_the_mblt_platform():
+    for target in ("mblt-sim", "mblt-hw"):
+        proc = _resolve(target)
+        assert proc.returncode == 0, proc.stderr
+        assert "DEVICE cpu MbltPlatform" in proc.stdout
+
+
+def test_an_unbuilt_plugin_fails_loudly_naming_its_status():
+    proc = _resolve("rbln-sim")
     assert proc.returncode != 0
-    assert "vllm_npu.mblt) is not built yet: issue 4" in proc.stderr
+    assert "vllm_npu.rbln) is not built yet: no issue filed yet" in proc.stderr
 
 
 def test_an_invalid_target_fails_loudly_instead_of_serving_on_cpu():
