@@ -382,8 +382,12 @@ def test_prefix_snapshot_is_loaded_when_threshold_off(artifact, make_worker, gol
     w = make_worker(artifact("k4", 4))
     a, b = _prefix_pair()
     d = Driver(w)
-    _finish_a(d, a)
+    d.add("A", a, greedy(4))
+    d.run(["A"])
+    saves = w.table.saves
+    d.flush()
     assert w.snapshots.keys() == ["A"]
+    assert w.table.saves == saves  # finishing does not dump: A's KV stays on its slot
     d.add("B", b, greedy(5), num_computed=32)
     assert d.run(["B"])["B"] == golden(b, 5)
     assert w.stats["prefix_loads"] == 1 and w.stats["prefix_recomputes"] == 0
@@ -462,6 +466,25 @@ def test_snapshot_lru_cap_keeps_only_the_newest(artifact, make_worker, golden, m
     assert w.stats["prefix_loads"] == 0 and w.stats["prefix_recomputes"] == 1
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "spec gap (seed 'Cache Behavior'): on a non-batch model a request that loses the slot to "
+    "another one is also kept as a snapshot; MbltWorker only snapshots finished requests"))
+def test_non_batch_displaced_request_is_a_prefix_snapshot(artifact, make_worker, golden, monkeypatch):
+    monkeypatch.setenv("VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD", "0")
+    w = make_worker(artifact("nobatch", 1, drop_batch_key=True))
+    a, b = _prefix_pair()
+    z = prompts(14, 10)[0]
+    d = Driver(w)
+    d.add("X", a, greedy(6))
+    d.add("Z", z, greedy(6))
+    for _ in range(4):  # X and Z take turns on slot (0, 0): X loses it to Z every step
+        d.step(["X", "Z"])
+    d.add("Y", b, greedy(3), num_computed=32)  # vLLM's prefix cache shares X's first two blocks
+    outs = d.run(["X", "Z", "Y"])
+    assert outs["Y"] == golden(b, 3)
+    assert w.stats["prefix_loads"] == 1
+
+
 # ---------------------------------------------------------------------- preemption
 @pytest.mark.parametrize("resume_at", [0, 16])
 def test_preempted_request_resumes_to_golden(artifact, make_worker, golden, resume_at):
@@ -498,7 +521,8 @@ def test_short_cache_warning_when_scheduler_claims_more(artifact, make_worker, g
     assert d.run(["S"])["S"] == golden(p, 3)
     warn = [m for m in mblt_log if m.startswith("MBLT request cache holds fewer tokens than the scheduler expects")]
     assert len(warn) == 1
-    assert "req_id=S" in warn[0] and "live_tokens=16" in warn[0] and "expected=32" in warn[0]
+    assert "req_id=S" in warn[0] and "cache_id=0" in warn[0]
+    assert "live_tokens=16" in warn[0] and "expected=32" in warn[0]
     assert w.short_cache_warnings == 1
 
 
