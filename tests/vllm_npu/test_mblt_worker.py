@@ -526,6 +526,66 @@ def test_short_cache_warning_when_scheduler_claims_more(artifact, make_worker, g
     assert w.short_cache_warnings == 1
 
 
+def _common(a, b):
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+@pytest.mark.parametrize("kind,seed", [("k4", 0), ("k4", 2), ("nobatch", 1)])
+def test_random_schedules_match_golden(artifact, make_worker, golden, monkeypatch, kind, seed):
+    """Random arrivals sharing prefixes, random chunk budgets, partial scheduling, preemption
+    and resumption, with vLLM-style block-aligned prefix hits (from any tokens computed so
+    far): every request's output equals its golden continuation."""
+    import random
+
+    monkeypatch.setenv("VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD", "0")
+    w = make_worker(artifact("k4", 4) if kind == "k4" else artifact("nobatch", 1, drop_batch_key=True))
+    rng = random.Random(seed)
+    base = prompts(seed, 70)[0]
+    d = Driver(w)
+    computed: list[list[int]] = []  # sequences whose blocks vLLM's prefix cache would hold
+
+    def hit(ids):
+        best = min(max([_common(c, ids) for c in computed] + [0]), len(ids) - 1)
+        return best // BLOCK * BLOCK if rng.random() < 0.8 else 0
+
+    n_req, waiting = 0, []
+    for _ in range(60):
+        d.chunk = rng.choice([5, 8, 11, 16, 16])
+        running = d.active()
+        if n_req < 8 and len(running) < 4 and rng.random() < 0.5:
+            length, cut = rng.randint(20, 60), rng.randint(0, 40)
+            p = (base[:cut] + prompts(seed * 100 + n_req, length)[0])[:length]
+            d.add(f"q{n_req}", p, greedy(rng.randint(1, 6)), num_computed=hit(p))
+            running.append(f"q{n_req}")
+            n_req += 1
+        started = [r for r in running if d.reqs[r].sent]
+        if len(started) > 1 and rng.random() < 0.1:
+            v = rng.choice(started)
+            computed.append(d.reqs[v].all_ids[:d.reqs[v].computed])
+            d.preempt(v)
+            waiting.append(v)
+            running.remove(v)
+        elif waiting and len(running) < 4 and rng.random() < 0.5:
+            v = waiting.pop(0)
+            d.resume(v, hit(d.reqs[v].all_ids))
+            running.append(v)
+        sched = [r for r in running if rng.random() < 0.85] or running
+        d.step(sched)
+        for rid in sched:
+            computed.append(d.reqs[rid].all_ids[:d.reqs[rid].computed])
+    for v in waiting:
+        d.resume(v, 0)
+    d.run([rid for rid, r in d.reqs.items() if not r.done])
+    assert n_req >= 4
+    for rid, r in d.reqs.items():
+        assert r.out == golden(r.prompt, r.params.max_tokens), rid
+
+
 # ---------------------------------------------------------------------- configuration errors
 def test_no_free_slot_message(artifact, make_worker):
     from vllm_npu.mblt.worker import NoFreeSlotError
