@@ -466,9 +466,6 @@ def test_snapshot_lru_cap_keeps_only_the_newest(artifact, make_worker, golden, m
     assert w.stats["prefix_loads"] == 0 and w.stats["prefix_recomputes"] == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "spec gap (seed 'Cache Behavior'): on a non-batch model a request that loses the slot to "
-    "another one is also kept as a snapshot; MbltWorker only snapshots finished requests"))
 def test_non_batch_displaced_request_is_a_prefix_snapshot(artifact, make_worker, golden, monkeypatch):
     monkeypatch.setenv("VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD", "0")
     w = make_worker(artifact("nobatch", 1, drop_batch_key=True))

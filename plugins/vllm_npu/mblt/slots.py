@@ -74,12 +74,14 @@ class SlotTable:
         load: ``(model_idx, cache_id, blobs) -> None`` (the backend's load).
         on_dump, on_load: called with ``(cache_id, elapsed_ms)`` after each save/restore
             (the prefix-cache cost model's EWMA inputs).
+        on_displaced: called with a cache that just lost its slot to another (after its save).
     """
 
     dump: Callable[[int, int], list[bytes]]
     load: Callable[[int, int, list[bytes]], None]
     on_dump: Callable[[int, float], None] = lambda cid, ms: None
     on_load: Callable[[int, float], None] = lambda cid, ms: None
+    on_displaced: Callable[[RequestKV], None] = lambda kv: None
     owner: dict[Slot, RequestKV] = field(default_factory=dict)
     saves: int = 0
     restores: int = 0
@@ -110,6 +112,7 @@ class SlotTable:
         if current is not None:
             self.save(current)
             del self.owner[kv.slot]
+            self.on_displaced(current)
         if kv.length:
             if kv.host is None or kv.host_len < kv.length:
                 raise MbltCacheStateError(

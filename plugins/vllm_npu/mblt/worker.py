@@ -184,7 +184,8 @@ class MbltWorker(WorkerBase):
             raise
         self.backend = backend
         self.runtime = runtime
-        self.table = SlotTable(backend.dump, backend.load, self.cost_model.observe_dump, self.cost_model.observe_load)
+        self.table = SlotTable(backend.dump, backend.load, self.cost_model.observe_dump,
+                               self.cost_model.observe_load, self._on_displaced)
         self.sampler = HostSampler(backend.vocab_size)
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
@@ -352,6 +353,19 @@ class MbltWorker(WorkerBase):
                 self.table.release(old)
         else:
             self.table.release(st.kv)
+
+    def _on_displaced(self, kv: RequestKV) -> None:
+        """Non-batch models: a running request that loses the shared slot to another is also
+        kept as a prefix snapshot (its host copy, shared, not copied), so a later request
+        can start from its prefix. Only caches holding at least one full block count."""
+        if self.max_batch_size > 1 or not self.enable_prefix_caching or kv.length < self.block_size:
+            return
+        owner = next((st for st in self.reqs.values() if st.kv is kv), None)
+        if owner is None or kv.host is None:
+            return
+        snap = RequestKV(kv.slot, list(kv.token_ids[: kv.host_len]), kv.host, kv.host_len)
+        for _key, old in self.snapshots.add(f"{owner.req_id}@{snap.length}", snap.token_ids, snap):
+            self.table.release(old)
 
     def _preempt(self, req_id: str) -> None:
         st = self.reqs.get(req_id)
