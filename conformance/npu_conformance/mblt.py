@@ -95,6 +95,16 @@ class MbltLab:
         cfg = json.loads((artifact / "config.json").read_text())
         return int(cfg.get("max_batch_size") or 1)
 
+    def kv_capacity(self, artifact: Path) -> int:
+        """KV tokens per cache id of the artifact's MXQ, read through the target's runtime
+        (``Model(path).get_input_buffer_info()[0].max_cache_size``; no launch needed)."""
+        import importlib
+
+        runtime = importlib.import_module("npusim.mxq" if self.simulated else "qbruntime")
+        cfg = json.loads((artifact / "config.json").read_text())
+        model = runtime.Model(str(artifact / cfg["mxq_path"]))
+        return int(model.get_input_buffer_info()[0].max_cache_size)
+
     def artifact(self, *, k: int = 4, core_mode: str = "single", chunk: Any = None,
                  max_cache_size: int | None = None, edits: Mapping[str, Any] | None = None,
                  drop: Sequence[str] = ()) -> Path:

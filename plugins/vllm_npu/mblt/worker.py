@@ -7,7 +7,7 @@ sampling included, so ``sample_tokens`` is never reached).
 
 The KV lives on the device, per slot ``(model_idx, cache_id)``; vLLM's block manager only
 does the accounting (a one-byte-per-token ``MLAAttentionSpec``), sized for
-``max_batch_size + 1`` sequences of ``max_model_len`` tokens.
+``max(max_batch_size, max_num_seqs) + 1`` sequences of ``max_model_len`` tokens.
 
 Per step:
 1. finished requests release their slot and become prefix snapshots (no dump);
@@ -240,7 +240,11 @@ class MbltWorker(WorkerBase):
         return [layout.name for layout in get_supported_kv_cache_layouts([])]
 
     def _num_blocks(self) -> int:
-        return (self.max_batch_size + 1) * math.ceil(self.max_model_len / self.block_size)
+        """Blocks for every sequence the scheduler may run, plus one (vllm-mblt's
+        ``max_batch_size + 1``; a model without ``max_batch_size`` runs up to ``max_num_seqs``
+        requests on its one shared slot)."""
+        seqs = max(self.max_batch_size, int(self.scheduler_config.max_num_seqs))
+        return (seqs + 1) * math.ceil(self.max_model_len / self.block_size)
 
     def determine_available_memory(self) -> int:
         spec = self.get_kv_cache_spec()["mblt"]
