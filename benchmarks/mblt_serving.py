@@ -27,9 +27,6 @@ Writes a JSON summary with ``--json``.
 Machine note: the figures of ``docs/benchmarks.md`` come from a 2-core shared machine; absolute
 throughputs swing by tens of percent between runs, so compare only the ratios of one run.
 
-``vllm bench throughput`` runs with ``VLLM_WORKER_MULTIPROC_METHOD=fork`` on both sides: the
-CLI defaults to ``spawn``, and under ``spawn`` the MBLT engine core fails to start (the
-config classes that ``vllm_npu.mblt.models`` makes at run time cannot be pickled).
 """
 
 from __future__ import annotations
@@ -110,7 +107,6 @@ def run_throughput(backend: str, hf: Path, mxq: Path, out: Path, a: argparse.Nam
            "--random-output-len", str(a.output_len), "--num-prompts", str(a.num_prompts),
            "--seed", "0", "--output-json", str(js), *extra]
     env = backend_env(backend)
-    env["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
     with open(log, "w") as fh:
         rc = subprocess.run(cmd, stdout=fh, stderr=subprocess.STDOUT, env=env).returncode
     text = log.read_text(errors="replace")

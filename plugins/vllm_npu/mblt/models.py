@@ -5,8 +5,8 @@ architecture (``MobilintLlamaForCausalLM``...). vLLM parses the config with tran
 checks the architecture against its model registry before the platform's worker runs, so
 both have to be known in every vLLM process:
 
-- :func:`register` adds a transformers config class per Mobilint model type (the base
-  family's config with the Mobilint model type), and registers each architecture with
+- :func:`register` adds a transformers config class per Mobilint model type
+  (:mod:`vllm_npu.mblt.hf_configs`), and registers each architecture with
   vLLM's ``ModelRegistry`` as :class:`MobilintForCausalLM`.
 - :class:`MobilintForCausalLM` is a placeholder that satisfies vLLM's model interface
   checks. The MBLT worker never builds it: the model runs inside the MXQ, through the
@@ -19,11 +19,11 @@ import logging
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
-#: Mobilint model type -> (architecture, transformers base config class name).
+#: Mobilint model type -> (architecture, config class name in :mod:`vllm_npu.mblt.hf_configs`).
 TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
-    "mobilint-llama": ("MobilintLlamaForCausalLM", "LlamaConfig"),
-    "mobilint-qwen2": ("MobilintQwen2ForCausalLM", "Qwen2Config"),
-    "mobilint-qwen3": ("MobilintQwen3ForCausalLM", "Qwen3Config"),
+    "mobilint-llama": ("MobilintLlamaForCausalLM", "MobilintLlamaConfig"),
+    "mobilint-qwen2": ("MobilintQwen2ForCausalLM", "MobilintQwen2Config"),
+    "mobilint-qwen3": ("MobilintQwen3ForCausalLM", "MobilintQwen3Config"),
 }
 
 _REGISTERED = False
@@ -31,18 +31,6 @@ _REGISTERED = False
 
 class MobilintModelNotBuildable(RuntimeError):
     """vLLM tried to build the placeholder model: it runs only under the MBLT worker."""
-
-
-def _config_class(model_type: str, base_name: str) -> type:
-    import transformers
-
-    base = getattr(transformers, base_name)
-    return type(
-        f"Mobilint{base_name}",
-        (base,),
-        {"model_type": model_type, "__module__": __name__,
-         "__doc__": f"{base_name} of a Mobilint MXQ artifact (model_type {model_type!r})."},
-    )
 
 
 def register() -> None:
@@ -58,9 +46,11 @@ def register() -> None:
         from transformers import AutoConfig
         from vllm import ModelRegistry
 
-        for model_type, (arch, base_name) in TEXT_MODEL_TYPES.items():
+        from vllm_npu.mblt import hf_configs
+
+        for model_type, (arch, config_name) in TEXT_MODEL_TYPES.items():
             try:
-                AutoConfig.register(model_type, _config_class(model_type, base_name))
+                AutoConfig.register(model_type, getattr(hf_configs, config_name))
             except ValueError:
                 pass  # already registered in this process
             if arch not in ModelRegistry.get_supported_archs():

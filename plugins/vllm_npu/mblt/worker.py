@@ -131,7 +131,12 @@ class MbltWorker(WorkerBase):
     # ------------------------------------------------------------------ lifecycle
 
     def init_device(self) -> None:
+        from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
         self.device = torch.device("cpu")
+        # Host sampling runs small torch ops every step: one intra-op thread, as vLLM's own
+        # workers do, so idle OpenMP threads do not spin against the runtime's compute.
+        set_torch_threads_for_runtime()
         logger.info("MBLT worker rank %d: host device cpu, MXQ runtime target %s", self.rank, selected_target())
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:  # noqa: ARG002

@@ -1,0 +1,28 @@
+"""transformers config classes of Mobilint text artifacts (``model_type: mobilint-<family>``).
+
+Each is the family's own config class under the Mobilint model type, defined at module level
+so vLLM can pickle it into the engine processes it spawns. Registered with transformers'
+``AutoConfig`` by :func:`vllm_npu.mblt.models.register`.
+"""
+
+from __future__ import annotations
+
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+
+class MobilintLlamaConfig(LlamaConfig):
+    """``LlamaConfig`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-llama``)."""
+
+    model_type = "mobilint-llama"
+
+
+class MobilintQwen2Config(Qwen2Config):
+    """``Qwen2Config`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-qwen2``)."""
+
+    model_type = "mobilint-qwen2"
+
+
+class MobilintQwen3Config(Qwen3Config):
+    """``Qwen3Config`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-qwen3``)."""
+
+    model_type = "mobilint-qwen3"
