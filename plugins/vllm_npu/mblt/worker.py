@@ -40,6 +40,7 @@ from vllm.v1.worker.worker_base import WorkerBase
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
+from vllm_npu.mblt.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.sampling import HostSampler, SampleRequest
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
@@ -137,6 +138,9 @@ class MbltWorker(WorkerBase):
         # Host sampling runs small torch ops every step: one intra-op thread, as vLLM's own
         # workers do, so idle OpenMP threads do not spin against the runtime's compute.
         set_torch_threads_for_runtime()
+        limited = limit_host_blas_threads(1)
+        if limited:
+            logger.info("MBLT worker: host OpenBLAS set to 1 thread (%s)", ", ".join(map(os.path.basename, limited)))
         logger.info("MBLT worker rank %d: host device cpu, MXQ runtime target %s", self.rank, selected_target())
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:  # noqa: ARG002
