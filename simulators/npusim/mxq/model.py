@@ -446,29 +446,29 @@ class Model:
         label = "name" if key == "name" else "layer hash"
         raise fail("Model_InvalidCacheBuffer", f"Failed to find KV-cache whose {label} is `{value}`", "model.cc:660")
 
-    def dump_cache_memory_by_name(self, name: str, cache_id: int = 0) -> bytes:
+    def _dump_one(self, key: str, value: str, cache_id: int) -> bytes:
         self._launched()
-        i = self._info("name", name)
+        i = self._info(key, value)
         return self.dump_cache_memory(cache_id)[i]
+
+    def _load_one(self, buf: bytes, key: str, value: str, cache_id: int) -> None:
+        self._launched()
+        i = self._info(key, value)
+        bufs = self.dump_cache_memory(cache_id)
+        bufs[i] = buf
+        self.load_cache_memory(bufs, cache_id)
+
+    def dump_cache_memory_by_name(self, name: str, cache_id: int = 0) -> bytes:
+        return self._dump_one("name", name, cache_id)
 
     def dump_cache_memory_by_layer_hash(self, layer_hash: str, cache_id: int = 0) -> bytes:
-        self._launched()
-        i = self._info("layer_hash", layer_hash)
-        return self.dump_cache_memory(cache_id)[i]
+        return self._dump_one("layer_hash", layer_hash, cache_id)
 
     def load_cache_memory_by_name(self, buf: bytes, name: str, cache_id: int = 0) -> None:
-        self._launched()
-        i = self._info("name", name)
-        bufs = self.dump_cache_memory(cache_id)
-        bufs[i] = buf
-        self.load_cache_memory(bufs, cache_id)
+        self._load_one(buf, "name", name, cache_id)
 
     def load_cache_memory_by_layer_hash(self, buf: bytes, layer_hash: str, cache_id: int = 0) -> None:
-        self._launched()
-        i = self._info("layer_hash", layer_hash)
-        bufs = self.dump_cache_memory(cache_id)
-        bufs[i] = buf
-        self.load_cache_memory(bufs, cache_id)
+        self._load_one(buf, "layer_hash", layer_hash, cache_id)
 
     def dump_cache_memory_to(self, cache_dir: str | os.PathLike, cache_id: int = 0) -> None:
         """Write ``cache_<layer_hash>.bin`` per CacheInfo into ``cache_dir`` (created if missing)."""
