@@ -38,7 +38,9 @@ class MbltRequestError(VLLMValidationError, ValueError):
     """
 
 
-def _hf_config_dict(vllm_config: Any) -> dict[str, Any]:
+def artifact_config(vllm_config: Any) -> dict[str, Any]:
+    """The artifact's ``config.json`` as vLLM parsed it (``--hf-overrides`` applied): the one
+    source the platform's scheduler plan and the worker's layout both read."""
     hf = vllm_config.model_config.hf_config
     return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
@@ -108,7 +110,7 @@ class MbltPlatform(Platform):
             return
         overrides = settings.parse_loader_extra_config(vllm_config.load_config.model_loader_extra_config)
         plan = settings.plan_scheduler(
-            _hf_config_dict(vllm_config),
+            artifact_config(vllm_config),
             overrides,
             user_max_num_seqs=sched.max_num_seqs,
             user_max_num_batched_tokens=sched.max_num_batched_tokens,

@@ -23,7 +23,6 @@ Per step:
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -41,6 +40,7 @@ from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
 from vllm_npu.mblt.host_threads import limit_host_blas_threads
+from vllm_npu.mblt.platform import artifact_config
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.sampling import HostSampler, SampleRequest
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
@@ -82,13 +82,9 @@ class _Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-
-def _read_artifact_config(model_dir: str) -> dict[str, Any]:
-    path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise MbltWorkerError(f"cannot read the MXQ artifact config {path}: {exc}") from exc
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
 
 
 def _load_embeddings(model_dir: str) -> np.ndarray:
@@ -113,7 +109,7 @@ class MbltWorker(WorkerBase):
         self.block_size = int(self.cache_config.block_size)
         self.enable_prefix_caching = bool(self.cache_config.enable_prefix_caching)
         self.overrides = settings.parse_loader_extra_config(self.load_config.model_loader_extra_config)
-        self.artifact = _read_artifact_config(self.model_config.model)
+        self.artifact = artifact_config(vllm_config)
         self.core_mode = settings.resolve_core_mode(self.overrides, self.artifact)
         self.max_batch_size = settings.resolve_max_batch_size(self.overrides, self.artifact) or 1
         self.pc_settings = pc.prefix_cache_settings(os.environ, self.overrides.prefix_cache)
@@ -127,7 +123,7 @@ class MbltWorker(WorkerBase):
         self.tracer = None
         self.short_cache_warnings = 0
         self.kv_cache_config = None
-        self.stats = {"prefix_loads": 0, "prefix_recomputes": 0, "steps": 0}
+        self.stats = {"prefix_loads": 0, "prefix_recomputes": 0, "steps": 0, "infer_retries": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -362,8 +358,7 @@ class MbltWorker(WorkerBase):
         self._release_vslot(st)
         assert self.table is not None
         if self.enable_prefix_caching and st.kv.length:
-            for _key, old in self.snapshots.add(req_id, list(st.kv.token_ids), st.kv):
-                self.table.release(old)
+            self._add_snapshot(req_id, st.kv)
         else:
             self.table.release(st.kv)
 
@@ -377,7 +372,12 @@ class MbltWorker(WorkerBase):
         if owner is None or kv.host is None:
             return
         snap = RequestKV(kv.slot, list(kv.token_ids[: kv.host_len]), kv.host, kv.host_len)
-        for _key, old in self.snapshots.add(f"{owner.req_id}@{snap.length}", snap.token_ids, snap):
+        self._add_snapshot(f"{owner.req_id}@{snap.length}", snap)
+
+    def _add_snapshot(self, key: str, kv: RequestKV) -> None:
+        """Index ``kv`` as a prefix snapshot; snapshots evicted by the LRU cap lose their slot."""
+        assert self.table is not None
+        for _key, old in self.snapshots.add(key, list(kv.token_ids), kv):
             self.table.release(old)
 
     def _preempt(self, req_id: str) -> None:
@@ -443,14 +443,12 @@ class MbltWorker(WorkerBase):
             return
         self.snapshots.touch(key)
         self.table.save(snap)
-        if self.table.holder(kv.slot) is snap:
+        kv.token_ids = list(snap.token_ids[:matched])
+        if self.table.holder(kv.slot) is snap:  # resident on this slot: take it over in place
             self.table.owner[kv.slot] = kv
-            kv.token_ids = list(snap.token_ids[:matched])
             kv.host, kv.host_len = None, 0
-        else:
-            kv.host = snap.host
-            kv.token_ids = list(snap.token_ids[:matched])
-            kv.host_len = matched
+        else:  # elsewhere or saved: the first bind loads the snapshot's host copy
+            kv.host, kv.host_len = snap.host, matched
             self.table.bind(kv)
         self.stats["prefix_loads"] += 1
         logger.info("MBLT prefix snapshot %s: load %d tokens for req_id=%s (%s)", key, matched, st.req_id, reason)
@@ -489,7 +487,7 @@ class MbltWorker(WorkerBase):
             work.append((st, end))
         logits = self._run(work)
 
-        to_sample = [i for i, (st, end) in enumerate(work) if end >= len(st.prompt_ids) and end == len(st.all_ids)]
+        to_sample = [i for i, (st, end) in enumerate(work) if end >= len(st.prompt_ids) and end == st.num_tokens]
         sampled: list[list[int]] = [[] for _ in order]
         logprobs = None
         if to_sample:
@@ -525,7 +523,7 @@ class MbltWorker(WorkerBase):
         try:
             return self.backend.infer_rows(rows)
         except runtime_error as first:
-            self.stats["infer_retries"] = self.stats.get("infer_retries", 0) + 1
+            self.stats["infer_retries"] += 1
             logger.warning("MBLT infer failed on slots %s; retrying the step once: %s",
                            [(r.model_idx, r.cache_id) for r in rows], str(first).splitlines()[0])
             try:
@@ -537,43 +535,40 @@ class MbltWorker(WorkerBase):
                 ) from second
 
     def _run(self, work: list[tuple[_Req, int]]) -> list[np.ndarray | None]:
-        """Compute each request's tokens ``[cache_len, end)``; return its last-token logits."""
+        """Compute each request's tokens ``[cache_len, end)``; return its last-token logits.
+
+        Batch models bind every request's cache and run them together; non-batch models share
+        one slot, so each request is bound and run on its own in turn.
+        """
         assert self.backend is not None and self.table is not None
-        width = self.backend.max_width
         out: list[np.ndarray | None] = [None] * len(work)
         pending = []
         for i, (st, end) in enumerate(work):
-            ids = st.all_ids[:end]
             start = st.kv.length
             if start >= end:
                 raise MbltCacheStateError(
                     f"req_id={st.req_id}: nothing to compute (cache holds {start} tokens, step ends at {end})"
                 )
-            pending.append([i, st, ids, start])
-        if self.max_batch_size <= 1:
-            for i, st, ids, start in pending:
+            pending.append([i, st, st.all_ids[:end], start])
+        groups = [pending] if self.max_batch_size > 1 else [[item] for item in pending]
+        for group in groups:
+            for _i, st, _ids, _start in group:
                 self.table.bind(st.kv)
-                while start < len(ids):
-                    piece = ids[start:start + width]
-                    res = self._infer([Row(*st.kv.slot, self.embeddings[piece], start)])
-                    st.kv.note_write(start, piece)
-                    out[i] = res[0]
-                    start += len(piece)
-            return [o if o is None or o.ndim == 1 else o[-1] for o in out]
-        for _i, st, _ids, _start in pending:
-            self.table.bind(st.kv)
+            self._run_rounds(group, out)
+        return [o if o is None or o.ndim == 1 else o[-1] for o in out]
+
+    def _run_rounds(self, pending: list[list], out: list[np.ndarray | None]) -> None:
+        """Feed each ``[index, request, ids, start]`` its next ``max_width`` tokens per round,
+        every bound request in one dispatch, until all reach the end of their ids."""
+        assert self.backend is not None
+        width = self.backend.max_width
         while pending:
-            rows, owners = [], []
-            for item in pending:
-                i, st, ids, start = item
-                piece = ids[start:start + width]
-                rows.append(Row(*st.kv.slot, self.embeddings[piece], start))
-                owners.append((item, piece))
-            res = self._infer(rows)
-            for (item, piece), r in zip(owners, res):
-                i, st, ids, start = item
+            pieces = [ids[start:start + width] for _i, _st, ids, start in pending]
+            rows = [Row(*st.kv.slot, self.embeddings[piece], start)
+                    for (_i, st, _ids, start), piece in zip(pending, pieces)]
+            for item, piece, r in zip(pending, pieces, self._infer(rows)):
+                i, st, _ids, start = item
                 st.kv.note_write(start, piece)
                 out[i] = r
                 item[3] = start + len(piece)
             pending = [item for item in pending if item[3] < len(item[2])]
-        return [o if o is None or o.ndim == 1 else o[-1] for o in out]
