@@ -27,10 +27,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+from vllm_npu.mblt.placement import CORE_MODES, topology_for  # one list of core modes, one Aries
+
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
-#: The core modes qbruntime knows (``ModelConfig`` setters), as ``config.json`` spells them.
-CORE_MODES: tuple[str, ...] = ("auto", "single", "multi", "global4", "global8")
 #: KV block size (tokens) when the user passes no ``--block-size``.
 DEFAULT_BLOCK_SIZE = 128
 #: Chunked-prefill size (tokens) when the model config names none.
@@ -62,8 +62,9 @@ SUBMODULE_PREFIXES: tuple[str, ...] = (
 #: Dict keys, besides core modes, that a core-mode keyed value may use as its fallback.
 DEFAULT_KEYS: tuple[str, ...] = ("default", "DEFAULT")
 
-_CLUSTERS_PER_DEVICE = 2
-_CORES_PER_CLUSTER = 4
+# Loader-config targets are checked against an Aries card (placement re-checks the artifact's).
+_CLUSTERS_PER_DEVICE = topology_for("aries").clusters
+_CORES_PER_CLUSTER = topology_for("aries").cores_per_cluster
 _TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
 _FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
