@@ -63,6 +63,7 @@ class MbltLab:
     workdir: Path
     servers: dict[str, vs.Server] = field(default_factory=dict)
     _artifacts: dict[str, Path] = field(default_factory=dict)
+    _refusals: int = 0
     _hf_dir: Path | None = None
     _golden: Any = None
 
@@ -181,7 +182,8 @@ class MbltLab:
         Raises:
             AssertionError: it became healthy instead.
         """
-        log = self.workdir / f"refused-{len(self.servers)}-{os.getpid()}.log"
+        self._refusals += 1
+        log = self.workdir / f"refused-{self._refusals}.log"  # one log per refused start
         try:
             srv = vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=300)
         except vs.ServerError:
