@@ -21,7 +21,9 @@ def _cli(*args: str, cwd: Path | None = None, timeout: float = 600) -> subproces
 def test_doctor_lists_every_target_with_a_reason():
     proc = _cli("doctor")
     assert proc.returncode == 0, proc.stderr
-    lines = proc.stdout.strip().splitlines()
+    host, targets = proc.stdout.strip().split("\n\n")
+    assert [line.split()[0] for line in host.splitlines()] == ["cpu:", "vllm-kernels:", "ime2-x86:"]
+    lines = targets.splitlines()
     assert [line.split()[0] for line in lines] == list(TARGETS)
     for line in lines:
         name, state, reason = line.split(maxsplit=2)

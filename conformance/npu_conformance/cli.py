@@ -50,6 +50,11 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"npu-harness doctor: unknown target {unknown[0]!r}; expected one of: "
               f"{', '.join(tg.TARGETS)}", file=sys.stderr)
         return 2
+    from npu_conformance.host import host_lines
+
+    for label, text in host_lines():
+        print(f"{label + ':':<13} {text}")
+    print()
     for name in tg.TARGETS:
         avail = tg.availability(name)
         state = "available  " if avail.available else "unavailable"
@@ -128,7 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="extra pytest arguments after '--' (e.g. -- -k chunked -n 2)")
     conf.set_defaults(func=_cmd_conformance)
 
-    doc = sub.add_parser("doctor", help="which targets this machine can run, and why not the others")
+    doc = sub.add_parser("doctor", help="this CPU's instruction sets and kernel builds; which targets "
+                                        "this machine can run, and why not the others")
     doc.add_argument("--require", action="append", metavar="T",
                      help="exit 1 unless target T is available (repeatable; for board runners)")
     doc.set_defaults(func=_cmd_doctor)

@@ -239,3 +239,13 @@ def test_flush_denormal_leaves_results_unchanged_and_is_restored():
         torch.set_flush_denormal(False)
     assert (tiny * 1.0).item() != 0.0
     assert np.array_equal(whole.view(np.float32), q.ime2_hp_gemm(a, qw, sc, level="hardware"), equal_nan=True)
+
+
+def test_the_reported_variant_is_the_one_this_cpu_gets(x86_isa):
+    """``kernel.x86_variant()`` (``npu-harness doctor``'s ``ime2-x86`` line) names the variant
+    from the CPU's flags and the NPU_IME2_X86_ISA knob, as the GEMM chooses it."""
+    if not CPU_HAS_AVX2_F16C:
+        assert kernel.x86_variant() == "none"
+        return
+    wide = x86_isa == "best" and AVX512_FLAGS <= _cpu_flags()
+    assert kernel.x86_variant() == ("avx512-vnni-fp16" if wide else "avx2-f16c")

@@ -39,7 +39,7 @@ def test_mblt_targets_resolve_the_mblt_platform():
 def test_an_unbuilt_plugin_fails_loudly_naming_its_status():
     proc = _resolve("rbln-sim")
     assert proc.returncode != 0
-    assert "vllm_npu.rbln) is not built yet: no issue filed yet" in proc.stderr
+    assert "vllm_npu.rbln) is not built yet (issue 16)" in proc.stderr
 
 
 def test_an_invalid_target_fails_loudly_instead_of_serving_on_cpu():

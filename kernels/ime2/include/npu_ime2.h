@@ -25,7 +25,7 @@
 extern "C" {
 #endif
 
-#define NPU_IME2_ABI_VERSION 3
+#define NPU_IME2_ABI_VERSION 4
 
 /* Bytes of one packed B block (K32 x N32: 32 fp16 scales + 512 nibble bytes). */
 #define NPU_IME2_B_BLOCK_BYTES 576
@@ -68,6 +68,12 @@ npu_ime2_status npu_ime2_path_status(int path);
 
 /* The concrete path NPU_IME2_PATH_AUTO runs on this CPU (never NPU_IME2_PATH_AUTO itself). */
 int npu_ime2_auto_path(void);
+
+/* The variant the X86 path runs on this CPU now (static string; never NULL): "avx512-vnni-fp16"
+ * (AVX-512 F/BW/VL, VNNI and FP16 usable, and NPU_IME2_X86_ISA is not "avx2"), "avx2-f16c", or
+ * "none" (the path is not built into this library, or the CPU lacks AVX2/F16C). Read at each
+ * call, like the GEMM's own choice. Added in ABI version 4. */
+const char *npu_ime2_x86_variant(void);
 
 /* Bytes of packed B: ceil(N/32) * ceil(K/256) * 8 * 576. Requires N >= 1. */
 npu_ime2_status npu_ime2_b_packed_size(int64_t n, int64_t k, size_t *bytes);

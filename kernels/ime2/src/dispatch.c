@@ -72,6 +72,15 @@ npu_ime2_status npu_ime2_path_status(int path)
     }
 }
 
+const char *npu_ime2_x86_variant(void)
+{
+#ifdef NPU_IME2_HAVE_X86
+    return npu_ime2_x86_variant_name();
+#else
+    return "none";
+#endif
+}
+
 int npu_ime2_auto_path(void)
 {
     static const int order[] = {NPU_IME2_PATH_IME2, NPU_IME2_PATH_RVV, NPU_IME2_PATH_X86};

@@ -320,6 +320,13 @@ static int avx512_wanted(void)
     return cached_check(&cache, avx512_check);
 }
 
+const char *npu_ime2_x86_variant_name(void)
+{
+    if (!npu_ime2_x86_usable())
+        return "none";
+    return avx512_wanted() ? "avx512-vnni-fp16" : "avx2-f16c";
+}
+
 /* Lane L <-> column (L / 4) + 4 * (L % 4), both ways. */
 X512_INLINE __m512i lane_map32(void)
 {

@@ -119,6 +119,7 @@ npu_ime2_status npu_ime2_gemm_ime2(const uint8_t *a_packed, const uint8_t *b_pac
 #ifdef NPU_IME2_HAVE_X86
 /* 1 when the CPU has AVX2 and F16C (and the OS saves YMM state), else 0. */
 int npu_ime2_x86_usable(void);
+const char *npu_ime2_x86_variant_name(void);
 npu_ime2_status npu_ime2_gemm_x86(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
                                   float *c);
 #endif

@@ -66,7 +66,7 @@ BUILD_COMMAND = "make -C kernels/ime2 OUT=plugins/vllm_npu/ime2/_build  (or: bas
 
 QK = 32
 #: The C ABI version this binding speaks (NPU_IME2_ABI_VERSION).
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 
 class Status:
@@ -197,6 +197,8 @@ def load_library() -> ctypes.CDLL:
         lib.npu_ime2_path_status.restype = ctypes.c_int
         lib.npu_ime2_auto_path.argtypes = []
         lib.npu_ime2_auto_path.restype = ctypes.c_int
+        lib.npu_ime2_x86_variant.argtypes = []
+        lib.npu_ime2_x86_variant.restype = ctypes.c_char_p
         lib.npu_ime2_status_string.argtypes = [ctypes.c_int]
         lib.npu_ime2_status_string.restype = ctypes.c_char_p
         for name in ("npu_ime2_b_packed_size", "npu_ime2_a_packed_size"):
@@ -243,6 +245,13 @@ def usable_paths() -> list[str]:
 def auto_path() -> str:
     """The concrete path ``auto`` runs on this CPU (``npu_ime2_auto_path``)."""
     return _PATH_NAMES[int(load_library().npu_ime2_auto_path())]
+
+
+def x86_variant() -> str:
+    """The X86 path's variant on this CPU now (``npu_ime2_x86_variant``): ``avx512-vnni-fp16``,
+    ``avx2-f16c`` (also when ``NPU_IME2_X86_ISA=avx2`` forces it), or ``none`` (not an x86-64
+    build, or no AVX2/F16C: ``auto`` then runs another path)."""
+    return load_library().npu_ime2_x86_variant().decode()
 
 
 def _raise_for(status: int, context: str) -> None:

@@ -2,8 +2,9 @@
 
 Activated by the ``vllm.platform_plugins`` entry point ``mblt`` when ``NPU_HARNESS_TARGET``
 is ``mblt-sim`` or ``mblt-hw``. The model runs inside the MXQ through the runtime API, so
-the platform is an out-of-tree CPU-hosted one (``device_type == "cpu"``, no attention
-backend, no torch.compile, no CUDA graphs) whose job is configuration:
+the platform is an out-of-tree CPU-hosted one (:class:`vllm_npu._platform.NpuPlatform`: vLLM's
+CPU kernels chosen for this CPU, no attention backend, no torch.compile, no CUDA graphs)
+whose job is configuration:
 
 - worker class :class:`vllm_npu.mblt.worker.MbltWorker`;
 - block size 128 and prefix caching on unless the user set them;
@@ -19,9 +20,9 @@ import logging
 import os
 from typing import Any
 
-import torch
 from vllm.exceptions import VLLMValidationError
-from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_npu._platform import NpuPlatform
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
@@ -45,69 +46,26 @@ def artifact_config(vllm_config: Any) -> dict[str, Any]:
     return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
-class MbltPlatform(Platform):
-    """Out-of-tree platform for Mobilint NPUs (see the module docstring)."""
+class MbltPlatform(NpuPlatform):
+    """Out-of-tree platform for Mobilint NPUs (see the module docstring); what every NPU
+    platform shares (kernel loading, worker hook, eager and synchronous) is in
+    :class:`vllm_npu._platform.NpuPlatform`."""
 
-    _enum = PlatformEnum.OOT
-    device_name: str = "cpu"
-    device_type: str = "cpu"
-    dispatch_key: str = "CPU"
-    dist_backend: str = "gloo"
-    simple_compile_backend: str = "eager"
-
-    @property
-    def supported_dtypes(self) -> list[torch.dtype]:
-        return [torch.float32, torch.bfloat16, torch.float16]
+    worker_cls = WORKER_CLS
+    npu_name = "mblt"
 
     @classmethod
-    def get_device_name(cls, device_id: int = 0) -> str:  # noqa: ARG003
-        return "mblt"
-
-    @classmethod
-    def get_device_total_memory(cls, device_id: int = 0) -> int:  # noqa: ARG003
-        return 0
-
-    @classmethod
-    def is_pin_memory_available(cls) -> bool:
-        return False
-
-    @classmethod
-    def inference_mode(cls):
-        return torch.no_grad()
-
-    @classmethod
-    def set_device(cls, device: torch.device) -> None:  # noqa: ARG003
-        return None
-
-    @classmethod
-    def check_and_update_config(cls, vllm_config: Any) -> None:
-        """Point vLLM at the MBLT worker and size the scheduler from the artifact.
+    def configure(cls, vllm_config: Any) -> None:
+        """Size the scheduler and the cache from the artifact.
 
         Raises:
             vllm_npu.mblt.settings.MbltConfigError: a bad ``--model-loader-extra-config``
                 or artifact value (the message names it and the rule).
         """
-        from vllm.config import CompilationMode
-
         from vllm_npu.mblt import settings
 
-        parallel = vllm_config.parallel_config
-        parallel.worker_cls = WORKER_CLS
-        if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
-            parallel.distributed_executor_backend = "uni"
-
-        comp = vllm_config.compilation_config
-        comp.mode = CompilationMode.NONE
-        comp.cudagraph_capture_sizes = []
-        if vllm_config.model_config is not None:
-            vllm_config.model_config.enforce_eager = True
-
         sched = vllm_config.scheduler_config
-        sched.async_scheduling = False
         cache = vllm_config.cache_config
-        model_config = vllm_config.model_config
-        if model_config is None:
-            return
         overrides = settings.parse_loader_extra_config(vllm_config.load_config.model_loader_extra_config)
         plan = settings.plan_scheduler(
             artifact_config(vllm_config),
@@ -142,17 +100,13 @@ class MbltPlatform(Platform):
         profiler writing into that directory: vLLM's front-end trace lands there, and the
         worker's ``profile`` hook records the qbruntime NPU trace beside it.
         """
+        super().pre_register_and_update(parser)
         trace_dir = os.environ.get(TRACE_DIR_ENV, "")
         if parser is None or not trace_dir:
             return
         from vllm.config import ProfilerConfig
 
         parser.set_defaults(profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=trace_dir))
-
-    @classmethod
-    def update_block_size_for_backend(cls, vllm_config: Any) -> None:  # noqa: ARG003
-        """No attention backend runs on the host: the block size stays as configured."""
-        return None
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:

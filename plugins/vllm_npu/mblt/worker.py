@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from vllm.v1.worker.worker_base import WorkerBase
 
+from vllm_npu._worker import NpuWorker
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
@@ -99,8 +99,10 @@ def _load_embeddings(model_dir: str) -> np.ndarray:
     raise MbltWorkerError(f"no {EMBED_TENSOR!r} in {d}/model.safetensors: the host-side embedding is missing")
 
 
-class MbltWorker(WorkerBase):
+class MbltWorker(NpuWorker):
     """vLLM worker for Mobilint MXQ artifacts (see the module docstring)."""
+
+    npu_name = "MBLT"
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False) -> None:
@@ -238,12 +240,6 @@ class MbltWorker(WorkerBase):
         return {"mblt": MLAAttentionSpec(block_size=self.block_size, num_kv_heads=1, head_size=1,
                                          dtype=torch.int8)}
 
-    def get_supported_kv_cache_layouts(self) -> list[str]:
-        """No host attention backend exists: the KV lives on the device, any layout name works."""
-        from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts
-
-        return [layout.name for layout in get_supported_kv_cache_layouts([])]
-
     def _num_blocks(self) -> int:
         """Blocks for every sequence the scheduler may run, plus one (vllm-mblt's
         ``max_batch_size + 1``; a model without ``max_batch_size`` runs up to ``max_num_seqs``
@@ -255,27 +251,9 @@ class MbltWorker(WorkerBase):
         spec = self.get_kv_cache_spec()["mblt"]
         return self._num_blocks() * spec.page_size_bytes
 
-    def initialize_from_config(self, kv_cache_config: Any) -> None:
-        self.kv_cache_config = kv_cache_config
-
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:  # noqa: ARG002
         if num_gpu_blocks != self._num_blocks():
             raise MbltWorkerError(f"GPU Blocks mismatch: expected {self._num_blocks()}, got {num_gpu_blocks}")
-
-    def compile_or_warm_up_model(self):
-        from vllm.v1.worker.worker_base import CompilationTimes
-
-        return CompilationTimes(language_model=0.0, encoder=0.0)
-
-    def synchronize_device(self) -> None:
-        """Every runtime call blocks until the device is done: nothing to wait for."""
-        return None
-
-    def get_supported_tasks(self):
-        return ("generate",)
-
-    def get_model(self):
-        return None
 
     def check_health(self) -> None:
         if self.backend is None:
@@ -283,18 +261,6 @@ class MbltWorker(WorkerBase):
 
     def get_cache_block_size_bytes(self) -> int:
         return self.block_size
-
-    def add_lora(self, lora_request) -> bool:  # noqa: ARG002
-        raise MbltWorkerError("LoRA is not supported by the MBLT worker")
-
-    def remove_lora(self, lora_id: int) -> bool:  # noqa: ARG002
-        return False
-
-    def pin_lora(self, lora_id: int) -> bool:  # noqa: ARG002
-        return False
-
-    def list_loras(self) -> set[int]:
-        return set()
 
     def profile(self, is_start: bool = True, profile_prefix: str | None = None) -> None:  # noqa: ARG002
         """Start/stop a qbruntime NPU event trace (``VLLM_TORCH_PROFILER_DIR``).

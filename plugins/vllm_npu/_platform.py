@@ -1,0 +1,136 @@
+"""What every NPU platform of this project shares: :class:`NpuPlatform`.
+
+An NPU platform is an out-of-tree, CPU-hosted vLLM platform (``PlatformEnum.OOT``,
+``device_type == "cpu"``): the model runs inside the device (or its simulator) through the
+vendor runtime API, so vLLM's part is the scheduler, the API server and the worker hook.
+This base holds the parts that do not depend on the device:
+
+- :meth:`NpuPlatform.import_kernels`: vLLM's CPU kernels loaded the way vLLM's own
+  ``CpuPlatform`` picks them (:mod:`vllm_npu.cpu_kernels`). The inherited
+  ``Platform.import_kernels`` loads the AVX-512-BF16 build unconditionally and dies with
+  SIGILL on a CPU without AVX-512;
+- :meth:`NpuPlatform.check_and_update_config`: the worker hook (``worker_cls``), the
+  in-process executor for one worker, no torch.compile and no CUDA graphs, eager mode, async
+  scheduling off (the two-step ``execute_model`` / ``sample_tokens`` protocol runs
+  synchronously), then the device's own :meth:`NpuPlatform.configure` step;
+- :meth:`NpuPlatform.pre_register_and_update`: ``--middleware`` defaults to
+  :class:`vllm_npu.stream_errors.StreamErrorStatusMiddleware`, so a streamed request the
+  plugin refuses is an HTTP 400 like the same request unstreamed;
+- the device-neutral answers: dtypes, no pinned memory, no device memory, ``no_grad``
+  inference, and no attention backend to size the block for.
+
+Each device's ``platform.py`` subclasses it with its worker class, its name and what
+differs (scheduler plan, request refusals). The KV-layout and supported-task answers a
+worker owes vLLM are in :mod:`vllm_npu._worker`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from vllm_npu import cpu_kernels, stream_errors
+
+
+class NpuPlatform(Platform):
+    """Base of the MBLT, RBLN and Neuron platforms (see the module docstring).
+
+    Subclasses set :attr:`worker_cls` and :attr:`npu_name`, and may override
+    :meth:`configure`.
+    """
+
+    _enum = PlatformEnum.OOT
+    device_name: str = "cpu"
+    device_type: str = "cpu"
+    dispatch_key: str = "CPU"
+    dist_backend: str = "gloo"
+    simple_compile_backend: str = "eager"
+
+    #: Qualified name of the device's ``WorkerBase`` subclass (set by each subclass).
+    worker_cls: ClassVar[str] = ""
+    #: What :meth:`get_device_name` answers (``mblt``, ``rbln``, ``neuron``).
+    npu_name: ClassVar[str] = "npu"
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def import_kernels(cls) -> None:
+        """Load the vLLM CPU kernel build this CPU can run (never ``vllm._C`` blindly)."""
+        cpu_kernels.load_vllm_cpu_kernels()
+
+    @classmethod
+    def pre_register_and_update(cls, parser: Any = None) -> None:
+        """Make :data:`vllm_npu.stream_errors.MIDDLEWARE` the default of ``--middleware``
+        (``vllm serve`` only: the offline ``vllm.LLM`` passes no parser). A user's own
+        ``--middleware`` values are appended to it."""
+        if parser is None:
+            return
+        try:
+            current = parser.get_default("middleware")
+        except AttributeError:
+            return
+        if current is None:  # not the API server's parser (no --middleware option)
+            return
+        if stream_errors.MIDDLEWARE not in current:
+            parser.set_defaults(middleware=[stream_errors.MIDDLEWARE, *current])
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:  # noqa: ARG003
+        return cls.npu_name
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:  # noqa: ARG003
+        return 0
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:  # noqa: ARG003
+        return None
+
+    @classmethod
+    def update_block_size_for_backend(cls, vllm_config: Any) -> None:  # noqa: ARG003
+        """No attention backend runs on the host: the block size stays as configured."""
+        return None
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config: Any) -> None:
+        """Point vLLM at the device's worker, run it in-process and eagerly, then let the
+        device configure the rest (:meth:`configure`, only when a model is configured).
+
+        Raises:
+            whatever the device's :meth:`configure` raises for a bad value (named).
+        """
+        from vllm.config import CompilationMode
+
+        if not cls.worker_cls:
+            raise TypeError(f"{cls.__qualname__} sets no worker_cls")
+        parallel = vllm_config.parallel_config
+        parallel.worker_cls = cls.worker_cls
+        if parallel.distributed_executor_backend in (None, "mp") and parallel.world_size == 1:
+            parallel.distributed_executor_backend = "uni"
+
+        comp = vllm_config.compilation_config
+        comp.mode = CompilationMode.NONE
+        comp.cudagraph_capture_sizes = []
+        if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True
+        vllm_config.scheduler_config.async_scheduling = False
+        if vllm_config.model_config is not None:
+            cls.configure(vllm_config)
+
+    @classmethod
+    def configure(cls, vllm_config: Any) -> None:  # noqa: ARG003
+        """The device's part of :meth:`check_and_update_config` (scheduler and cache sizes
+        from the artifact...); called only when a model is configured. Default: nothing."""
+        return None
