@@ -80,16 +80,23 @@ def hf_model() -> Callable[..., Any]:
 
 
 @pytest.fixture(scope="session")
-def mblt_labs(tmp_path_factory: pytest.TempPathFactory):
-    """Factory ``mblt_labs(target_name) -> npu_conformance.mblt.MbltLab``: one per target per
-    session (artifacts built once, servers started once); every server is stopped at the end."""
-    from npu_conformance.mblt import MbltLab
+def device_labs(tmp_path_factory: pytest.TempPathFactory):
+    """Factory ``device_labs(target_name) -> npu_conformance.devices.base.DeviceLab``: one per
+    target per session (artifacts built once, servers started once, shared by the serving
+    suite and the device's own scenarios); every server is stopped at the end.
 
-    labs: dict[str, MbltLab] = {}
+    Raises:
+        npu_conformance.devices.NoDeviceLab: the target's device has no lab (yet).
+    """
+    from npu_conformance import devices
+    from npu_conformance.targets import TARGETS
 
-    def get(name: str) -> MbltLab:
+    labs: dict[str, Any] = {}
+
+    def get(name: str) -> Any:
         if name not in labs:
-            labs[name] = MbltLab(name, tmp_path_factory.mktemp(f"mblt-{name}"))
+            cls = devices.lab_class(TARGETS[name].device)
+            labs[name] = cls(name, tmp_path_factory.mktemp(f"{TARGETS[name].device}-{name}"))
         return labs[name]
 
     yield get

@@ -17,7 +17,7 @@ import pytest
 from npu_conformance import report as report_mod
 from npu_conformance import results as res
 from npu_conformance import targets as tg
-from npu_conformance.fixtures import golden_decoder, hf_model, mblt_labs, tiny_model_dir  # noqa: F401
+from npu_conformance.fixtures import device_labs, golden_decoder, hf_model, tiny_model_dir  # noqa: F401
 
 _TARGETS_KEY = pytest.StashKey[list[str]]()
 

@@ -158,3 +158,15 @@ def stream_lines(server: Server, path: str, payload: Mapping[str, Any], timeout:
             if data == "[DONE]":
                 return
             yield json.loads(data)
+
+
+def completion_ids(result: HttpResult) -> list[int]:
+    """Generated token ids of a ``/v1/completions`` answer made with ``return_token_ids``.
+
+    Raises:
+        AssertionError: the answer is not a 200 with token ids (its body is shown).
+    """
+    assert result.status == 200, f"HTTP {result.status}: {result.body}"
+    ids = result.body["choices"][0].get("token_ids")
+    assert ids is not None, f"no token_ids in {result.body}"
+    return list(ids)

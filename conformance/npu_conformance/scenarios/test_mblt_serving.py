@@ -1,10 +1,11 @@
 """MBLT serving scenarios: ``vllm serve`` with the MBLT plugin on ``mblt-sim`` / ``mblt-hw`` (issue 4).
 
-Each scenario drives real ``vllm serve`` processes (``npu_conformance.mblt``) through the
+What every serving target must do (greedy and streaming output equal to the golden decoder,
+load, hostile input, in-flight faults) is the device-neutral suite, ``test_serving.py``; these
+are the MBLT-specific behaviours. Each scenario drives real ``vllm serve`` processes
+(``npu_conformance.devices.mblt``, the same lab and servers as the serving suite) through the
 OpenAI-compatible HTTP API, the way a plugin engineer would on a board:
 
-* ``greedy_matches_reference``: greedy completions, alone and 4 at once, equal the golden
-  decoder token for token (hardware: equal the same requests sent one at a time).
 * ``scheduler_from_artifact``: the seed's chunked-prefill and batch-capacity examples, read
   from vLLM's resolved engine config with the MBLT platform.
 * ``prefix_snapshot_load_and_recompute``: a finished request's snapshot is loaded for a
@@ -15,11 +16,11 @@ OpenAI-compatible HTTP API, the way a plugin engineer would on a board:
   all complete, each equal to running it alone.
 * ``multi_card_batching``: ``dev_no=[0, 1]`` with ``max_batch_size = 2K`` puts one instance on
   each card; concurrent requests equal their solo runs.
-* ``over_length_400`` and ``refuses_oversized_max_model_len``.
+* ``refuses_oversized_max_model_len``: a ``--max-model-len`` above the MXQ's KV capacity
+  stops the server naming both.
 * ``trace_file_written``: ``/start_profile`` + ``/stop_profile`` write the NPU trace.
-* ``injected_faults`` (simulator only): BadAlloc at launch and a missing device stop the
-  server with the runtime's error; a one-off infer failure is retried and no answer changes;
-  a persistent one fails the requests with errors, never with wrong tokens.
+* ``injected_startup_faults`` (simulator only): BadAlloc at launch and a missing device stop
+  the server with the runtime's error (faults of requests in flight: ``test_serving.py``).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import time
 import numpy as np
 import pytest
 
-from npu_conformance.mblt import ArtifactUnavailable, completion_ids
+from npu_conformance.devices.base import ArtifactUnavailable
+from npu_conformance.vllm_server import completion_ids
 
 pytestmark = pytest.mark.scenario(devices=("mblt",))
 
@@ -45,8 +47,8 @@ def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
 
 
-def _lab(mblt_labs, target):
-    return mblt_labs(target.name)
+def _lab(device_labs, target):
+    return device_labs(target.name)
 
 
 def _artifact(lab, **kw):
@@ -57,14 +59,8 @@ def _artifact(lab, **kw):
 
 
 def _main_server(lab):
-    """K=4 artifact with the seed's chunk dict; tracing on; min-hit 256 for the prefix rule."""
-    art = _artifact(lab, k=4, chunk={"single": 64, "global4": 256})
-    trace_dir = lab.workdir / "traces"
-    trace_dir.mkdir(exist_ok=True)
-    return lab.server(art, ["--max-model-len", MAX_MODEL_LEN],
-                      VLLM_TORCH_PROFILER_DIR=str(trace_dir),
-                      VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD="0",
-                      VLLM_MBLT_PREFIX_CACHE_MIN_HIT_TOKENS="256")
+    """The serving suite's server (K=4, the seed's chunk dict, tracing on, min-hit 256)."""
+    return lab.serving_server()
 
 
 def _solo_then_concurrent(server, prompts, max_tokens=16):
@@ -75,21 +71,8 @@ def _solo_then_concurrent(server, prompts, max_tokens=16):
     return solo, together
 
 
-def test_greedy_matches_reference(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
-    server = _main_server(lab)
-    prompts = _prompts(4, 40, seed=1)
-    solo, together = _solo_then_concurrent(server, prompts)
-    assert together == solo, "batched greedy outputs differ from the same requests alone"
-    golden = lab.golden()
-    if golden is not None:
-        for p, got in zip(prompts, solo):
-            assert got == golden.generate_greedy(p, len(got)), f"prompt {p[:5]}...: not the golden tokens"
-    record.figure("requests_compared", len(prompts) * 2)
-
-
-def test_scheduler_from_artifact(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_scheduler_from_artifact(target, record, device_labs):
+    lab = _lab(device_labs, target)
     batch1 = _artifact(lab, k=0 if not lab.simulated else 1, core_mode="auto",
                        edits={"npu_prefill_chunk_size": SEED_CHUNKS, "max_batch_size": 1})
     batch4 = _artifact(lab, k=4, chunk=256)
@@ -129,8 +112,8 @@ def test_scheduler_from_artifact(target, record, mblt_labs):
     record.figure("configs_checked", len(runs))
 
 
-def test_prefix_snapshot_load_and_recompute(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_prefix_snapshot_load_and_recompute(target, record, device_labs):
+    lab = _lab(device_labs, target)
     server = _main_server(lab)
     base = _prompts(1, 400, seed=7)[0]
     first = completion_ids(server.complete(base, 4, return_token_ids=True))
@@ -156,12 +139,12 @@ def test_prefix_snapshot_load_and_recompute(target, record, mblt_labs):
     ({"pace": True, "load_us_per_kib": 2000}, "recompute"),
     ({"pace": True, "load_us_per_kib": 0, "io_fixed_us": 0, "infer_us_per_token": 1000}, "load"),
 ], ids=["load_expensive", "load_cheap"])
-def test_prefix_cost_model_measured(target, record, mblt_labs, costs, decision):
+def test_prefix_cost_model_measured(target, record, device_labs, costs, decision):
     """The first snapshot load has no load timing yet, so it loads (vllm-mblt's rule) and is
     measured; the next match is decided by ``load_ms < prefill_ms * 0.9`` on the measured
     EWMA load time and the start-up prefill calibration, with the simulated device paced to
     the given costs."""
-    lab = _lab(mblt_labs, target)
+    lab = _lab(device_labs, target)
     if not lab.simulated:
         pytest.skip("device costs can be set only on the simulator")
     art = _artifact(lab, k=4, chunk=128)
@@ -187,8 +170,8 @@ def test_prefix_cost_model_measured(target, record, mblt_labs, costs, decision):
     record.figure("decision_" + decision, 1)
 
 
-def test_slot_thrash_batch1(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_slot_thrash_batch1(target, record, device_labs):
+    lab = _lab(device_labs, target)
     # No max_batch_size in config.json: the scheduler keeps several requests running and they
     # all share the batch-1 MXQ's one cache slot, saved and restored around every infer.
     art = _artifact(lab, k=0 if not lab.simulated else 1, drop=("max_batch_size",))
@@ -202,8 +185,8 @@ def test_slot_thrash_batch1(target, record, mblt_labs):
     record.figure("concurrent_requests", len(prompts))
 
 
-def test_multi_card_batching(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_multi_card_batching(target, record, device_labs):
+    lab = _lab(device_labs, target)
     env = {}
     if lab.simulated:
         env["NPUSIM_MXQ"] = json.dumps({"devices": 2})
@@ -229,20 +212,8 @@ def test_multi_card_batching(target, record, mblt_labs):
     record.figure("instances", 2)
 
 
-def test_over_length_400(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
-    server = _main_server(lab)
-    too_long = _prompts(1, int(MAX_MODEL_LEN) + 1, seed=4)[0]
-    res = server.complete(too_long, 4)
-    assert res.status == 400, res.body
-    assert str(int(MAX_MODEL_LEN)) in json.dumps(res.body)
-    ok = server.complete(_prompts(1, 10, seed=4)[0], 4, return_token_ids=True)
-    assert completion_ids(ok), "the server did not answer after a refused request"
-    record.figure("status", 400)
-
-
-def test_refuses_oversized_max_model_len(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_refuses_oversized_max_model_len(target, record, device_labs):
+    lab = _lab(device_labs, target)
     art = _artifact(lab, k=1, max_cache_size=256) if lab.simulated else _artifact(lab, k=0)
     capacity = lab.kv_capacity(art)
     log = lab.refused_start(art, ["--max-model-len", str(capacity * 2)])
@@ -250,10 +221,10 @@ def test_refuses_oversized_max_model_len(target, record, mblt_labs):
     record.figure("capacity_tokens", capacity)
 
 
-def test_trace_file_written(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_trace_file_written(target, record, device_labs):
+    lab = _lab(device_labs, target)
     server = _main_server(lab)
-    trace_dir = lab.workdir / "traces"
+    trace_dir = lab.trace_dir
     before = set(trace_dir.glob("*.mblt_npu_rank*.json"))
     assert server.request("POST", "/start_profile").status == 200
     completion_ids(server.complete(_prompts(1, 20, seed=6)[0], 4, return_token_ids=True))
@@ -267,8 +238,8 @@ def test_trace_file_written(target, record, mblt_labs):
     record.figure("trace_events", len(events))
 
 
-def test_injected_faults(target, record, mblt_labs):
-    lab = _lab(mblt_labs, target)
+def test_injected_startup_faults(target, record, device_labs):
+    lab = _lab(device_labs, target)
     if not lab.simulated:
         pytest.skip("faults are injected only into the simulator")
     art = _artifact(lab, k=4, chunk=128)
@@ -276,35 +247,4 @@ def test_injected_faults(target, record, mblt_labs):
     assert "MobilintBackendAllocError" in log and "BadAlloc" in log, log[-3000:]
     log = lab.refused_start(art, ["--max-model-len", MAX_MODEL_LEN], NPUSIM_MXQ=json.dumps({"no_device": True}))
     assert "Acc_DeviceNotFound" in log or "Driver_NotInitialized" in log, log[-3000:]
-
-    prompts = _prompts(4, 30, seed=21)
-    golden = lab.golden()
-    expected = [golden.generate_greedy(p, 16) for p in prompts]
-    # no start-up calibration, so the fault hits a request's infer
-    once = lab.server(art, ["--max-model-len", MAX_MODEL_LEN], VLLM_MBLT_PREFIX_CACHE_CALIBRATE="0",
-                      NPUSIM_MXQ=json.dumps({"infer_fail_after": 10, "infer_fail_times": 1}))
-    with cf.ThreadPoolExecutor(4) as ex:
-        got = list(ex.map(lambda p: completion_ids(once.complete(p, 16, return_token_ids=True)), prompts))
-    assert got == expected
-    assert "MBLT infer failed on slots" in once.log_text()
-
-    persistent = lab.server(art, ["--max-model-len", MAX_MODEL_LEN], VLLM_MBLT_PREFIX_CACHE_CALIBRATE="0",
-                            NPUSIM_MXQ=json.dumps({"infer_fail_after": 10, "infer_fail_times": 1000}))
-    with cf.ThreadPoolExecutor(4) as ex:
-        results = list(ex.map(lambda p: _try_complete(persistent, p), prompts))
-    failed = [r for r in results if r is None]
-    for p, r in zip(prompts, results):
-        assert r is None or r == golden.generate_greedy(p, 16), "a request returned wrong tokens"
-    assert failed, "a persistent infer failure produced no error"
-    assert "MBLT infer failed twice" in persistent.log_text()
-    record.figure("failed_requests", len(failed))
-
-
-def _try_complete(server, prompt):
-    """Greedy token ids of one completion, or None when the server answered with an error or
-    went away (a persistent device fault stops vLLM's engine)."""
-    try:
-        res = server.complete(prompt, 16, return_token_ids=True)
-    except OSError:
-        return None
-    return res.body["choices"][0]["token_ids"] if res.status == 200 else None
+    record.figure("refused_starts", 2)

@@ -1,5 +1,6 @@
-"""What the MBLT serving scenarios stand on: artifacts for the target, vLLM servers on them,
-and vLLM's resolved engine config for a given artifact and command line.
+"""The MBLT device for the serving suite and the MBLT scenarios: artifacts for the target,
+vLLM servers on them, the plugin's refusals and injectable faults, and vLLM's resolved engine
+config for a given artifact and command line.
 
 * On ``mblt-sim`` artifacts are compiled here from the tiny llama (``npusim.mxq.compile``),
   and the golden decoder (``npusim.llm``) is the reference for greedy outputs.
@@ -9,7 +10,14 @@ and vLLM's resolved engine config for a given artifact and command line.
   a release model: scenarios compare against the same requests sent one at a time.
 
 Servers are real ``vllm serve`` processes with ``NPU_HARNESS_TARGET`` set to the target;
-each distinct (artifact, arguments, environment) starts once per session.
+each distinct (artifact, arguments, environment) starts once per session
+(:class:`npu_conformance.devices.base.DeviceLab`).
+
+Fault model (simulator only, ``NPUSIM_MXQ``): ``once`` makes one ``Model.infer`` fail, which
+the worker retries (log line ``MBLT infer failed on slots``); ``persistent`` makes every infer
+fail from the 10th on, and the worker's retry fails too (``MBLT infer failed twice``): the
+engine stops and every request in flight gets an error. Start-up faults (BadAlloc at launch,
+no device) are MBLT scenarios of their own.
 """
 
 from __future__ import annotations
@@ -21,9 +29,10 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
+from npu_conformance.devices.base import ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 CONFIG_MARK = "NPU_HARNESS_CONFIG "
@@ -51,25 +60,69 @@ for argv in json.loads(sys.argv[1]):
 '''
 
 
-class ArtifactUnavailable(Exception):
-    """The target cannot provide the artifact a scenario needs (the scenario skips)."""
+#: The seed's chunk dict of the standard artifact (``single`` 64, ``global4`` 256).
+SERVING_CHUNKS = {"single": 64, "global4": 256}
+#: The fault servers' ``--max-model-len``.
+FAULT_MAX_MODEL_LEN = "1024"
 
 
 @dataclass
-class MbltLab:
+class MbltLab(DeviceLab):
     """Per-session artifacts and servers for one MBLT target (``mblt-sim`` or ``mblt-hw``)."""
 
-    target: str
-    workdir: Path
-    servers: dict[str, vs.Server] = field(default_factory=dict)
     _artifacts: dict[str, Path] = field(default_factory=dict)
-    _refusals: int = 0
     _hf_dir: Path | None = None
     _golden: Any = None
 
+    device: ClassVar[str] = "mblt"
+    max_model_len: ClassVar[int] = 1024
+    #: What ``MbltPlatform.validate_request`` refuses (``vllm_npu.mblt.platform``). ``min_p``
+    #: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
+    refusals: ClassVar[tuple[Refusal, ...]] = (
+        Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
+        Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
+        Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
+        Refusal("min_tokens", {"min_tokens": 2}),
+        Refusal("logit_bias", {"logit_bias": {"5": 10}}),
+        Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
+        Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
+        Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
+        Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
+    )
+
     @property
-    def simulated(self) -> bool:
-        return self.target == "mblt-sim"
+    def trace_dir(self) -> Path:
+        """Where :meth:`serving_server` writes NPU traces (``VLLM_TORCH_PROFILER_DIR``)."""
+        path = self.workdir / "traces"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def serving_server(self) -> vs.Server:
+        """K=4 artifact with the seed's chunk dict, ``--max-model-len 1024``; NPU tracing on
+        and prefix min-hit 256 (for the MBLT prefix scenario; greedy requests do not notice)."""
+        art = self.artifact(k=4, chunk=SERVING_CHUNKS)
+        return self.server(art, ["--max-model-len", str(self.max_model_len)],
+                           VLLM_TORCH_PROFILER_DIR=str(self.trace_dir),
+                           VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD="0",
+                           VLLM_MBLT_PREFIX_CACHE_MIN_HIT_TOKENS="256")
+
+    def fault(self, kind: str) -> FaultPlan:
+        """``NPUSIM_MXQ`` infer failures from the 10th infer on: one (``once``) or all
+        (``persistent``). No start-up calibration, so the fault hits a request's infer.
+
+        Raises:
+            FaultsUnsupported: on ``mblt-hw`` (faults are injected into the simulator only).
+            ValueError: an unknown ``kind``.
+        """
+        if kind not in self.FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r} is not one of {self.FAULT_KINDS}")
+        if not self.simulated:
+            raise FaultsUnsupported("faults are injected only into the simulator (npusim.mxq, NPUSIM_MXQ)")
+        times, evidence = (1, r"MBLT infer failed on slots") if kind == "once" else (1000, r"MBLT infer failed twice")
+        return FaultPlan(self.artifact(k=4, chunk=128), ("--max-model-len", FAULT_MAX_MODEL_LEN),
+                         {"VLLM_MBLT_PREFIX_CACHE_CALIBRATE": "0",
+                          "NPUSIM_MXQ": json.dumps({"infer_fail_after": 10, "infer_fail_times": times})},
+                         evidence)
 
     # ------------------------------------------------------------------ artifacts
 
@@ -158,39 +211,6 @@ class MbltLab:
 
     # ------------------------------------------------------------------ vLLM
 
-    def env(self, **extra: str) -> dict[str, str]:
-        return vs.vllm_env(self.target, **extra)
-
-    def server(self, artifact: Path, args: Sequence[str] = (), **env: str) -> vs.Server:
-        """A running ``vllm serve ARTIFACT ARGS`` (started once per session per combination).
-
-        Raises:
-            vllm_server.ServerError: it exited or did not become healthy.
-        """
-        key = json.dumps([str(artifact), list(args), env], sort_keys=True)
-        srv = self.servers.get(key)
-        if srv is not None and srv.alive():
-            return srv
-        log = self.workdir / f"serve-{len(self.servers)}.log"
-        srv = vs.start(artifact, args, env=self.env(**env), log=log)
-        self.servers[key] = srv
-        return srv
-
-    def refused_start(self, artifact: Path, args: Sequence[str] = (), **env: str) -> str:
-        """Start ``vllm serve`` expecting it to exit; returns its log.
-
-        Raises:
-            AssertionError: it became healthy instead.
-        """
-        self._refusals += 1
-        log = self.workdir / f"refused-{self._refusals}.log"  # one log per refused start
-        try:
-            srv = vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=300)
-        except vs.ServerError:
-            return log.read_text(errors="replace")
-        srv.stop()
-        raise AssertionError(f"vllm serve {artifact} {' '.join(args)} started; expected a refusal")
-
     def engine_configs(self, runs: Sequence[Sequence[str]]) -> list[dict[str, Any]]:
         """vLLM's resolved scheduler/cache config for each argument list (``--model`` ...),
         through vLLM's own ``EngineArgs.create_engine_config`` with this target's platform,
@@ -202,20 +222,3 @@ class MbltLab:
         if len(found) != len(runs):
             raise RuntimeError(f"engine config probe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         return found
-
-    def close(self) -> None:
-        for srv in self.servers.values():
-            srv.stop()
-        self.servers.clear()
-
-
-def completion_ids(result: vs.HttpResult) -> list[int]:
-    """Generated token ids of a ``/v1/completions`` answer made with ``return_token_ids``.
-
-    Raises:
-        AssertionError: the answer is not a 200 with token ids (its body is shown).
-    """
-    assert result.status == 200, f"HTTP {result.status}: {result.body}"
-    ids = result.body["choices"][0].get("token_ids")
-    assert ids is not None, f"no token_ids in {result.body}"
-    return list(ids)

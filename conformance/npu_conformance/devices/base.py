@@ -1,0 +1,167 @@
+"""What a device gives the device-neutral serving suite (``scenarios/test_serving.py``):
+:class:`DeviceLab`, one per target per session.
+
+A device module (``devices/<device>.py``) subclasses :class:`DeviceLab` and supplies only:
+
+- :meth:`DeviceLab.serving_server`: its standard artifact served by ``vllm serve`` with the
+  target's plugin (built once, started once per session);
+- :meth:`DeviceLab.golden`: the golden decoder of that artifact on a simulator target, None on
+  hardware (scenarios then compare with the same request sent alone);
+- :attr:`DeviceLab.refusals`: the request parameters its plugin refuses (each must be a 400
+  naming the parameter, streamed or not);
+- :meth:`DeviceLab.fault`: how to start a server with an injected device fault, or
+  :class:`FaultsUnsupported` with the reason.
+
+The lab also owns the servers it starts (one per distinct artifact, arguments and
+environment, stopped by :meth:`DeviceLab.close`). Nothing here imports vLLM or the device
+runtime.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from npu_conformance import vllm_server as vs
+
+
+class ArtifactUnavailable(Exception):
+    """The target cannot provide the artifact a scenario needs (the scenario skips)."""
+
+
+class FaultsUnsupported(Exception):
+    """The target cannot inject this fault (the scenario skips with the message)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """A request parameter the device's plugin refuses.
+
+    Attributes:
+        param: the parameter's name, which the 400's ``param`` field or message must name.
+        body: the request fields that ask for it (added to an otherwise valid request).
+        endpoint: ``completions`` or ``chat/completions``.
+    """
+
+    param: str
+    body: Mapping[str, Any]
+    endpoint: str = "completions"
+
+
+@dataclass(frozen=True)
+class FaultPlan:
+    """A server with an injected device fault.
+
+    Attributes:
+        artifact: what it serves.
+        args: extra ``vllm serve`` arguments.
+        env: environment that injects the fault.
+        evidence: a regular expression the server log matches once the fault struck (so a
+            scenario proves the fault happened rather than passing on a server without it).
+    """
+
+    artifact: Path
+    args: tuple[str, ...]
+    env: Mapping[str, str]
+    evidence: str
+
+
+@dataclass
+class DeviceLab:
+    """Per-session artifacts and servers of one target (see the module docstring).
+
+    Attributes:
+        target: the target name (``mblt-sim``...).
+        workdir: a directory of this session for artifacts and server logs.
+    """
+
+    target: str
+    workdir: Path
+    servers: dict[str, vs.Server] = field(default_factory=dict)
+    _refusals: int = 0
+
+    #: The device family (``mblt``...).
+    device: ClassVar[str] = ""
+    #: ``--max-model-len`` of :meth:`serving_server` (tokens).
+    max_model_len: ClassVar[int] = 1024
+    #: The parameters this device's plugin refuses (HTTP 400 naming each).
+    refusals: ClassVar[tuple[Refusal, ...]] = ()
+    #: Injectable faults, by kind: ``once`` (a one-off infer failure, retried invisibly) and
+    #: ``persistent`` (every infer fails: requests in flight must get errors).
+    FAULT_KINDS: ClassVar[tuple[str, ...]] = ("once", "persistent")
+
+    @property
+    def simulated(self) -> bool:
+        return self.target.endswith("-sim")
+
+    # ------------------------------------------------------------------ device hooks
+
+    def serving_server(self) -> vs.Server:
+        """The device's standard artifact served with ``--max-model-len``
+        :attr:`max_model_len`, shared by every scenario that needs no special server."""
+        raise NotImplementedError(f"{type(self).__name__} defines no serving_server")
+
+    def golden(self) -> Any:
+        """The golden decoder (``npusim.llm.Decoder``) of :meth:`serving_server`'s model on a
+        simulator target; None on hardware."""
+        return None
+
+    def fault(self, kind: str) -> FaultPlan:
+        """How to start a server with fault ``kind`` (one of :attr:`FAULT_KINDS`).
+
+        Raises:
+            FaultsUnsupported: this target cannot inject it (the reason is the message).
+        """
+        raise FaultsUnsupported(f"{self.target}: the device profile injects no faults")
+
+    # ------------------------------------------------------------------ servers
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return vs.vllm_env(self.target, **extra)
+
+    def server(self, artifact: Path, args: Sequence[str] = (), **env: str) -> vs.Server:
+        """A running ``vllm serve ARTIFACT ARGS`` (started once per session per combination).
+
+        Raises:
+            vllm_server.ServerError: it exited or did not become healthy.
+        """
+        key = json.dumps([str(artifact), list(args), env], sort_keys=True)
+        srv = self.servers.get(key)
+        if srv is not None and srv.alive():
+            return srv
+        log = self.workdir / f"serve-{len(self.servers)}.log"
+        srv = vs.start(artifact, args, env=self.env(**env), log=log)
+        self.servers[key] = srv
+        return srv
+
+    def fault_server(self, kind: str) -> tuple[vs.Server, FaultPlan]:
+        """A server started with :meth:`fault` ``(kind)`` and its plan.
+
+        Raises:
+            FaultsUnsupported: as :meth:`fault`.
+        """
+        plan = self.fault(kind)
+        return self.server(plan.artifact, plan.args, **plan.env), plan
+
+    def refused_start(self, artifact: Path, args: Sequence[str] = (), **env: str) -> str:
+        """Start ``vllm serve`` expecting it to exit; returns its log.
+
+        Raises:
+            AssertionError: it became healthy instead.
+        """
+        self._refusals += 1
+        log = self.workdir / f"refused-{self._refusals}.log"  # one log per refused start
+        try:
+            srv = vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=300)
+        except vs.ServerError:
+            return log.read_text(errors="replace")
+        srv.stop()
+        raise AssertionError(f"vllm serve {artifact} {' '.join(args)} started; expected a refusal")
+
+    def close(self) -> None:
+        for srv in self.servers.values():
+            srv.stop()
+        self.servers.clear()
