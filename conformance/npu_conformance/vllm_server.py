@@ -114,15 +114,18 @@ class Server:
 
 
 def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[str, str],
-          log: Path, timeout_s: float = START_TIMEOUT_S) -> Server:
+          log: Path, timeout_s: float = START_TIMEOUT_S, command: Sequence[str] | None = None) -> Server:
     """Start ``vllm serve MODEL ARGS`` on a free port and wait for ``/health``.
+
+    ``command`` replaces the ``vllm`` console script (e.g. ``[python, "-m",
+    "vllm.entrypoints.cli.main"]`` to run it under another interpreter).
 
     Raises:
         ServerError: the process exited, or was not healthy within ``timeout_s`` (it is
             stopped; the message carries the log's last 4000 characters).
     """
     port = free_port()
-    cmd = [vllm_command(), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*(command or [vllm_command()]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env))
