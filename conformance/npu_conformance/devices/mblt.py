@@ -62,8 +62,6 @@ for argv in json.loads(sys.argv[1]):
 
 #: The seed's chunk dict of the standard artifact (``single`` 64, ``global4`` 256).
 SERVING_CHUNKS = {"single": 64, "global4": 256}
-#: The fault servers' ``--max-model-len``.
-FAULT_MAX_MODEL_LEN = "1024"
 
 
 @dataclass
@@ -119,7 +117,7 @@ class MbltLab(DeviceLab):
         if not self.simulated:
             raise FaultsUnsupported("faults are injected only into the simulator (npusim.mxq, NPUSIM_MXQ)")
         times, evidence = (1, r"MBLT infer failed on slots") if kind == "once" else (1000, r"MBLT infer failed twice")
-        return FaultPlan(self.artifact(k=4, chunk=128), ("--max-model-len", FAULT_MAX_MODEL_LEN),
+        return FaultPlan(self.artifact(k=4, chunk=128), ("--max-model-len", str(self.max_model_len)),
                          {"VLLM_MBLT_PREFIX_CACHE_CALIBRATE": "0",
                           "NPUSIM_MXQ": json.dumps({"infer_fail_after": 10, "infer_fail_times": times})},
                          evidence)
