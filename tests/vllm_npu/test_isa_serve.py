@@ -10,7 +10,6 @@ starts one server and the prefix-cache calibration is off.
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +23,7 @@ from npu_conformance import vllm_server  # noqa: E402
 from npusim import tinymodel  # noqa: E402
 from npusim.llm import Decoder  # noqa: E402
 from npusim.mxq.compile import compile_artifact  # noqa: E402
+from vllm_npu.cpu_kernels import loaded_vllm_kernels  # noqa: E402
 
 if unavailable_reason():
     pytest.skip(unavailable_reason(), allow_module_level=True)
@@ -33,7 +33,6 @@ pytestmark = pytest.mark.slow
 CPU = "Haswell"
 START_TIMEOUT_S = 1800.0
 N_NEW = 8
-_SO = re.compile(r"vllm/(_C(?:_AVX512|_AVX2)?)\.abi3\.so")
 
 
 def _emulated_pids(script: Path) -> list[int]:
@@ -49,14 +48,6 @@ def _emulated_pids(script: Path) -> list[int]:
         if argv and argv[0].endswith(b"qemu-x86_64-static") and str(script).encode() in argv:
             found.append(int(proc.name))
     return found
-
-
-def _vllm_kernels(pid: int) -> set[str]:
-    try:
-        text = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return set()
-    return {f"vllm.{m.group(1)}" for m in _SO.finditer(text)}
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +70,7 @@ def test_both_processes_map_only_the_avx2_kernel_build(served):
     server, python, _ = served
     pids = _emulated_pids(python)
     assert len(pids) >= 2, f"expected the API server and the engine core under QEMU, found {pids}"
-    loaded = {pid: _vllm_kernels(pid) for pid in pids}
+    loaded = {pid: set(loaded_vllm_kernels(Path(f"/proc/{pid}/maps"))) for pid in pids}
     with_kernels = [pid for pid, mods in loaded.items() if mods]
     assert len(with_kernels) >= 2, loaded  # the API server and the engine core (not the resource tracker)
     for pid in with_kernels:
