@@ -77,12 +77,13 @@ class Server:
     def log_text(self) -> str:
         return self.log.read_text(errors="replace")
 
-    def request(self, method: str, path: str, payload: Mapping[str, Any] | None = None,
-                timeout: float = 300.0) -> HttpResult:
-        """One HTTP request; non-2xx statuses are returned, not raised."""
-        data = None if payload is None else json.dumps(payload).encode()
+    def request(self, method: str, path: str, payload: Mapping[str, Any] | bytes | None = None,
+                timeout: float = 300.0, content_type: str = "application/json") -> HttpResult:
+        """One HTTP request; non-2xx statuses are returned, not raised. ``payload`` is sent
+        as JSON, or as it is when it is bytes (malformed bodies for hostile-input tests)."""
+        data = payload if isinstance(payload, bytes) or payload is None else json.dumps(payload).encode()
         req = urllib.request.Request(self.base + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+                                     headers={"Content-Type": content_type})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as r:
                 status, raw = r.status, r.read()

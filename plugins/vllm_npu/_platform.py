@@ -123,10 +123,9 @@ class NpuPlatform(Platform):
         comp = vllm_config.compilation_config
         comp.mode = CompilationMode.NONE
         comp.cudagraph_capture_sizes = []
-        if vllm_config.model_config is not None:
-            vllm_config.model_config.enforce_eager = True
         vllm_config.scheduler_config.async_scheduling = False
         if vllm_config.model_config is not None:
+            vllm_config.model_config.enforce_eager = True
             cls.configure(vllm_config)
 
     @classmethod

@@ -51,6 +51,9 @@ VLLM_CPU_BUILDS: tuple[tuple[str, str], ...] = (
 #: import of ``vllm._C_AVX2`` fails after the load. vLLM ignores it for the same reason.
 LOADED_BUT_NO_INIT = "dynamic module does not define module export function"
 
+#: ``platform.machine()`` names of x86 hosts.
+_X86_MACHINES = ("x86_64", "AMD64", "i386", "i686")
+
 
 @dataclass(frozen=True)
 class CpuIsa:
@@ -72,7 +75,7 @@ class CpuIsa:
 
     @property
     def is_x86(self) -> bool:
-        return self.machine in ("x86_64", "AMD64", "i386", "i686")
+        return self.machine in _X86_MACHINES
 
     @property
     def level(self) -> str:
@@ -92,7 +95,7 @@ def host_isa() -> CpuIsa:
     import torch
 
     machine = platform.machine()
-    if machine not in ("x86_64", "AMD64", "i386", "i686"):
+    if machine not in _X86_MACHINES:
         return CpuIsa(machine, False, False, False, torch.backends.cpu.get_cpu_capability())
     return CpuIsa(
         machine=machine,
