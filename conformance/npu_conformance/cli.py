@@ -1,4 +1,4 @@
-"""The ``npu-harness`` command: ``conformance``, ``doctor``, ``make-model``, ``mxq compile``.
+"""The ``npu-harness`` command: ``conformance``, ``doctor``, ``alias``, ``make-model``, ``mxq compile``.
 
 Device issues add their own subcommands (``mxq compile``...) in :func:`build_parser`.
 """
@@ -52,8 +52,10 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         return 2
     from npu_conformance.host import host_lines
 
-    for label, text in host_lines():
-        print(f"{label + ':':<13} {text}")
+    lines = host_lines()
+    width = max(len(label) for label, _ in lines) + 1
+    for label, text in lines:
+        print(f"{label + ':':<{width}} {text}")
     print()
     for name in tg.TARGETS:
         avail = tg.availability(name)
@@ -64,6 +66,29 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
         print(f"npu-harness doctor: required target {name} is unavailable: "
               f"{tg.availability(name).reason}", file=sys.stderr)
     return 1 if missing else 0
+
+
+def _cmd_alias(args: argparse.Namespace) -> int:
+    import sysconfig
+
+    from npusim import alias
+
+    try:
+        site = alias.site_packages_of(Path(args.env)) if args.env else Path(sysconfig.get_paths()["purelib"])
+        if args.alias_command == "install":
+            print(f"alias start-up hook written to {alias.install_pth(site)}")
+        elif args.alias_command == "remove":
+            removed = alias.remove_pth(site)
+            print(f"alias start-up hook removed: {removed}" if removed else f"no alias start-up hook in {site}")
+        else:
+            for name in alias.ALIASES:
+                print(f"alias {name}: {alias.status(name).describe()}")
+            hook = alias.installed_pth(site)
+            print(f"alias hook: {'installed ' + str(hook) if hook else 'not installed in ' + str(site)}")
+    except OSError as exc:
+        print(f"npu-harness alias {args.alias_command}: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -116,6 +141,28 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_rbln_architectures(args: argparse.Namespace) -> int:
+    from vllm_npu.rbln.architectures import format_listing
+
+    print(format_listing(args.device, args.impl))
+    return 0
+
+
+def _cmd_rbln_compile(args: argparse.Namespace) -> int:
+    from vllm_npu.rbln import aot_compile as aot
+
+    try:
+        aot.compile_model(
+            args.hf_dir, args.out, max_model_len=args.max_model_len, block_size=args.block_size,
+            max_num_seqs=args.max_num_seqs, npu=args.npu,
+            decoder_batch_sizes=aot.parse_batch_sizes(args.decoder_batch_sizes),
+            optimum_overrides=aot.parse_overrides(args.optimum_overrides))
+    except (aot.AotInputError, aot.AotCompileError) as exc:
+        print(f"npu-harness rbln compile: {exc}", file=sys.stderr)
+        return 2 if isinstance(exc, aot.AotInputError) else 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="npu-harness",
@@ -139,6 +186,15 @@ def build_parser() -> argparse.ArgumentParser:
                      help="exit 1 unless target T is available (repeatable; for board runners)")
     doc.set_defaults(func=_cmd_doctor)
 
+    al = sub.add_parser("alias", help="the start-up hook that lets 'import rebel' / 'import qbruntime' "
+                                      "load the simulators (npusim.alias)")
+    al.add_argument("alias_command", choices=("install", "remove", "status"),
+                    help="write or delete the .pth hook in the environment's site-packages, or show "
+                         "what each vendor name imports here")
+    al.add_argument("--env", metavar="VENV",
+                    help="virtual environment directory (default: this interpreter's site-packages)")
+    al.set_defaults(func=_cmd_alias)
+
     mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally")
     mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3"))
     mm.add_argument("--out", required=True, metavar="DIR")
@@ -161,6 +217,32 @@ def build_parser() -> argparse.ArgumentParser:
                       help='npu_prefill_chunk_size: an integer or e.g. \'{"single": 64, "global4": 256}\'')
     comp.add_argument("--output-logits", default="last", choices=("last", "all"))
     comp.set_defaults(func=_cmd_mxq_compile)
+
+    rbln = sub.add_parser("rbln", help="Rebellions RBLN plugin (vllm_npu.rbln): architectures, AOT compile")
+    rbln_sub = rbln.add_subparsers(dest="rbln_command", required=True, metavar="RBLN_COMMAND")
+    archs = rbln_sub.add_parser("architectures", help="the supported architectures per model "
+                                                      "implementation, device family and category")
+    archs.add_argument("--device", choices=("atom", "rebel100"), help="one device family (default: both)")
+    archs.add_argument("--impl", choices=("vllm", "transformers", "optimum"),
+                       help="one model implementation; optimum is transformers (default: both)")
+    archs.set_defaults(func=_cmd_rbln_architectures)
+    rc = rbln_sub.add_parser("compile", help="compile a Hugging Face decoder ahead of time with "
+                                             "optimum-rbln into a directory `vllm serve DIR` loads")
+    rc.add_argument("hf_dir", metavar="HF_DIR")
+    rc.add_argument("--out", required=True, metavar="DIR", help="the compiled directory (new or empty)")
+    rc.add_argument("--max-model-len", type=int, metavar="N",
+                    help="compiled max_seq_len (default: config.json max_position_embeddings)")
+    rc.add_argument("--block-size", type=int, metavar="N",
+                    help="KV block: the model length for eager attention (default), or a flash "
+                         "attention partition dividing it")
+    rc.add_argument("--max-num-seqs", type=int, default=1, metavar="N", help="compiled batch size (default 1)")
+    rc.add_argument("--npu", metavar="NAME", help="target NPU, e.g. RBLN-CA25 (default: rebel.get_npu_name(0), "
+                                                  "else $RBLN_FORCE_NPU_NAME)")
+    rc.add_argument("--decoder-batch-sizes", metavar="B,B,...", help="compiled decode batches, e.g. 4,2,1 "
+                                                                     "(default: the batch size)")
+    rc.add_argument("--optimum-overrides", metavar="JSON",
+                    help="JSON object laid over the derived rbln_config; may not change derived values")
+    rc.set_defaults(func=_cmd_rbln_compile)
     return parser
 
 

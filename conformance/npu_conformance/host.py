@@ -1,6 +1,7 @@
 """What this machine's CPU gets: its instruction-set level, the vLLM CPU kernel build the
-platforms load, and the IME2 kernel's x86 variant (the lines ``npu-harness doctor`` prints
-above the targets).
+platforms load, the IME2 kernel's x86 variant, and what ``import rebel`` / ``import qbruntime``
+give (the vendor-name aliases of :mod:`npusim.alias`): the lines ``npu-harness doctor`` prints
+above the targets.
 
 Nothing here raises: a failed probe becomes its line's text. torch and the IME2 library are
 loaded only when :func:`host_lines` runs; vLLM is never imported (the choice is
@@ -40,6 +41,30 @@ def _ime2_line() -> tuple[str, str]:
     return ("ime2-x86", f"{variant} (the auto path runs {auto})")
 
 
+def _alias_lines() -> list[tuple[str, str]]:
+    """One ``alias <name>`` line per vendor-name alias of :mod:`npusim.alias` (``real``,
+    ``alias``, ``inactive`` or ``absent``), noting when this interpreter's site-packages lacks
+    the ``.pth`` start-up hook that makes the environment variables work in new processes."""
+    try:
+        import sysconfig
+        from pathlib import Path
+
+        from npusim import alias
+
+        hook = alias.installed_pth(Path(sysconfig.get_paths()["purelib"]))
+        lines = []
+        for name in alias.ALIASES:
+            st = alias.status(name)
+            text = st.describe()
+            if hook is None and st.state != "real":
+                text += "; start-up hook not installed here: npu-harness alias install"
+            lines.append((f"alias {name}", text))
+        return lines
+    except Exception as exc:  # noqa: BLE001
+        return [("alias", f"unknown: {type(exc).__name__}: {exc}")]
+
+
 def host_lines() -> list[tuple[str, str]]:
-    """``(label, text)`` pairs: ``cpu``, ``vllm-kernels``, ``ime2-x86``."""
-    return [*_isa_lines(), _ime2_line()]
+    """``(label, text)`` pairs: ``cpu``, ``vllm-kernels``, ``ime2-x86``, then one
+    ``alias <name>`` per vendor-name alias (``alias qbruntime``, ``alias rebel``)."""
+    return [*_isa_lines(), _ime2_line(), *_alias_lines()]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import importlib
+import importlib.util
 import os
 import platform
 from collections.abc import Callable, Iterable
@@ -54,12 +55,18 @@ class Target:
 
 
 def _import_reason(module: str, hint: str = "") -> Availability | None:
-    """None when ``module`` imports; else an unavailable Availability naming the failure."""
+    """None when ``module`` imports as itself; else an unavailable Availability naming the
+    failure, or naming the simulator when ``module`` is a vendor name aliased to one
+    (:mod:`npusim.alias`: ``import rebel`` giving ``npusim.rbln`` is not the vendor runtime)."""
     try:
-        importlib.import_module(module)
+        loaded = importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - any failure is a reason, never a crash
         extra = f" ({hint})" if hint else ""
         return Availability(False, f"import {module} failed: {type(exc).__name__}: {exc}{extra}")
+    actual = getattr(loaded, "__name__", module)
+    if actual != module:
+        return Availability(False, f"import {module} gives the simulator {actual} (npusim.alias), "
+                                   f"not the vendor runtime")
     return None
 
 
@@ -126,6 +133,21 @@ def _probe_mblt_hw() -> Availability:
     return Availability(True, f"qbruntime devices: {', '.join(map(str, devices))}")
 
 
+def _probe_rbln_sim() -> Availability:
+    """``npusim.rbln`` (the ``rebel`` simulator, needs torch) and the vendor's optimum-rbln,
+    which the RBLN plugin's ``transformers`` model path drives."""
+    failed = _seam_reason("npusim.rbln", "Runtime")
+    if failed:
+        return failed
+    try:
+        found = importlib.util.find_spec("optimum") is not None and importlib.util.find_spec("optimum.rbln") is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        return Availability(False, "optimum-rbln is not installed (pip install --no-deps optimum-rbln==0.12.0)")
+    return Availability(True, "npusim.rbln (rebel surface) with optimum-rbln")
+
+
 def _probe_rbln_hw() -> Availability:
     failed = _import_reason("rebel", "the RBLN SDK's rebel-compiler")
     if failed:
@@ -171,7 +193,7 @@ TARGETS: dict[str, Target] = {
                _probe_sim("npusim.mxq", "Accelerator", "qbruntime surface")),
         Target("mblt-hw", "mblt", "hw", "qbruntime", _probe_mblt_hw),
         Target("rbln-sim", "rbln", "sim", "npusim.rbln",
-               _probe_sim("npusim.rbln", "Runtime", "rebel surface")),
+               _probe_rbln_sim),
         Target("rbln-hw", "rbln", "hw", "rebel", _probe_rbln_hw),
         Target("neuron-sim", "neuron", "sim", "npusim.neff",
                _probe_sim("npusim.neff", "NeffProgram", "Neuron runtime surface")),

@@ -14,9 +14,10 @@ from npu_conformance.devices.base import DeviceLab
 SERVING_DEVICES: tuple[str, ...] = ("mblt", "rbln", "neuron")
 
 #: Device -> ``module:class`` of its lab.
-_LABS: dict[str, str] = {"mblt": "npu_conformance.devices.mblt:MbltLab"}
+_LABS: dict[str, str] = {"mblt": "npu_conformance.devices.mblt:MbltLab",
+                         "rbln": "npu_conformance.devices.rbln:RblnLab"}
 #: Serving devices whose lab is not written yet, and the issue that writes it.
-_PENDING: dict[str, str] = {"rbln": "issue 16", "neuron": "issue 11"}
+_PENDING: dict[str, str] = {"neuron": "issue 11"}
 
 
 class NoDeviceLab(LookupError):

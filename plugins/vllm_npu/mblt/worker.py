@@ -18,7 +18,7 @@ Per step:
 3. each request's cache is bound to its slot (saving the previous holder to host), its
    tokens ``[cache_len, scheduled_end)`` run in pieces of at most ``max_width``, rows of
    different slots in one dispatch;
-4. requests whose prompt is complete sample on the host (:mod:`vllm_npu.mblt.sampling`).
+4. requests whose prompt is complete sample on the host (:mod:`vllm_npu.host_sampling`).
 """
 
 from __future__ import annotations
@@ -193,7 +193,7 @@ class MbltWorker(NpuWorker):
         self.runtime = runtime
         self.table = SlotTable(backend.dump, backend.load, self.cost_model.observe_dump,
                                self.cost_model.observe_load, self._on_displaced)
-        self.sampler = HostSampler(backend.vocab_size)
+        self.sampler = HostSampler(backend.vocab_size, log=logger)
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
         logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))

@@ -1,4 +1,9 @@
-"""Rebellions RBLN vLLM plugin: device adapter over the ``rebel`` runtime API (issue 16)."""
+"""Rebellions RBLN vLLM plugin: device adapter over the ``rebel`` runtime API (issue 16).
+
+Entry points: :func:`register` (``vllm.platform_plugins``) and :func:`register_general`
+(``vllm.general_plugins``). Nothing is imported at module level (vLLM's plugin loader imports
+this package while vLLM itself is half initialised).
+"""
 
 from __future__ import annotations
 
@@ -12,3 +17,14 @@ def register() -> str | None:
     this device's targets, else None (the plugin stays inactive).
     """
     return platform_for("rbln", "vllm_npu.rbln.platform.RblnPlatform")
+
+
+def register_general() -> None:
+    """vLLM general-plugin entry point: on an ``rbln-*`` target, record the user's
+    ``--model-impl`` and batch arguments before vLLM defaults them
+    (:mod:`vllm_npu.rbln.engine_args`)."""
+    if platform_for("rbln", "x") is None:
+        return
+    from vllm_npu.rbln import engine_args
+
+    engine_args.install()

@@ -1,6 +1,243 @@
-"""The rbln vLLM platform (not built yet: issue 16)."""
+"""The RBLN vLLM platform: model-path choice, ``--rbln-*`` options, the compile cache and the
+scheduler plan, then the optimum worker.
 
-raise NotImplementedError(
-    "the rbln vLLM platform plugin (vllm_npu.rbln) is not built yet (issue 16); "
-    "unset NPU_HARNESS_TARGET to serve on vLLM's CPU backend"
-)
+Activated by the ``vllm.platform_plugins`` entry point ``rbln`` when ``NPU_HARNESS_TARGET`` is
+``rbln-sim`` or ``rbln-hw``. What every NPU platform shares (vLLM's CPU kernels chosen for this
+CPU, the worker hook, eager and synchronous steps) is in :class:`vllm_npu._platform.NpuPlatform`.
+:meth:`RblnPlatform.configure`:
+
+1. resolves the model path (:mod:`vllm_npu.rbln.model_impl`: ``auto`` takes ``optimum`` for a
+   compiled directory or an architecture optimum-rbln implements) and refuses the ``vllm``
+   path on ATOM (:func:`~vllm_npu.rbln.model_impl.reject_disabled`);
+2. resolves the path's ``--rbln-*`` options (:mod:`vllm_npu.rbln.options`), rejecting the
+   other path's;
+3. finds the compiled model: the model directory itself, else the compile-cache entry of this
+   configuration (``$VLLM_CACHE_ROOT/compiled_models/<name>_<key>``), else plans a compile
+   into that entry (the worker runs it);
+4. sizes the scheduler from the compiled model (:mod:`vllm_npu.rbln.compile_plan`) and hands
+   the worker its plan in ``additional_config``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+from vllm_npu._platform import NpuPlatform
+
+logger = logging.getLogger("vllm.vllm_npu.rbln")
+
+WORKER_CLS = "vllm_npu.rbln.worker.RblnOptimumWorker"
+VLLM_PATH_PENDING = (
+    "the vllm model path of the RBLN plugin (vLLM's own model code compiled through "
+    "rebel.core.torch_compile.rbln_backend) is not built yet (issue 16); use --model-impl "
+    "transformers with an architecture optimum-rbln implements")
+
+
+class RblnConfigError(ValueError):
+    """The vLLM settings cannot run on this RBLN configuration (names the value and rule)."""
+
+
+def _versions(rebel: Any) -> tuple[str, str]:
+    import importlib.metadata as md
+
+    compiler = getattr(rebel, "SIMULATOR", None) or f"rebel-compiler {getattr(rebel, '__version__', '?')}"
+    try:
+        optimum = md.version("optimum-rbln")
+    except md.PackageNotFoundError:
+        optimum = "absent"
+    return compiler, optimum
+
+
+class RblnPlatform(NpuPlatform):
+    """Out-of-tree platform for Rebellions NPUs (see the module docstring)."""
+
+    worker_cls = WORKER_CLS
+    npu_name = "rbln"
+    device_control_env_var: str = "RBLN_VISIBLE_DEVICES"
+
+    @classmethod
+    def pre_register_and_update(cls, parser: Any = None) -> None:
+        """Add the ``--rbln-*`` flags (group ``RBLNConfig``) to ``vllm serve``'s parser."""
+        super().pre_register_and_update(parser)
+        if parser is None:
+            return
+        from vllm_npu.rbln import options
+
+        options.add_cli_args(parser)
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        from vllm_npu.rbln.worker import import_rebel
+
+        import_rebel().manual_seed(seed)
+
+    @classmethod
+    def configure(cls, vllm_config: Any) -> None:
+        """Steps 1-4 of the module docstring.
+
+        Raises:
+            vllm_npu.rbln.model_impl.ModelImplError / ModelPathDisabledError: a bad or
+                disabled ``--model-impl`` (the reference's messages).
+            vllm_npu.rbln.options.RBLNConfigError: foreign or bad ``--rbln-*`` options.
+            vllm_npu.rbln.compile_plan.CompilePlanError: settings the compiled model or the
+                compile cannot take.
+            RblnConfigError: tensor parallelism, speculative decoding or pipeline parallelism.
+            NotImplementedError: the ``vllm`` model path (issue 16).
+        """
+        from vllm_npu.rbln import compile_plan as cp
+        from vllm_npu.rbln import device, engine_args, model_impl, options
+        from vllm_npu.rbln.worker import PLAN_KEY, import_rebel
+
+        mc, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
+        flag, user_tokens = engine_args.captured()
+        extra = vllm_config.additional_config
+        extra = dict(extra) if isinstance(extra, dict) else extra
+        if isinstance(extra, dict):
+            extra.pop(PLAN_KEY, None)
+        res = model_impl.resolve_model_impl(flag, extra, os.environ, mc.model)
+        logger.info("RBLN model path: %s (%s)", res.impl, res.log)
+        rebel = import_rebel()
+        try:
+            name = device.device_name(rebel)
+        except device.NpuNameUnavailableError:
+            name = None
+        model_impl.reject_disabled(res, name)
+        if res.impl == "vllm":
+            raise NotImplementedError(VLLM_PATH_PENDING)
+        opts, _warnings = options.resolve(options.OptimumRBLNConfig, extra)
+        par = vllm_config.parallel_config
+        if par.tensor_parallel_size > 1:
+            raise RblnConfigError(
+                "Cannot set tensor_parallel_size on the optimum model path. Use "
+                "--rbln-num-devices-per-local-rank to compile the model with RSD, or set "
+                "--model-impl vllm.")
+        if par.pipeline_parallel_size > 1:
+            raise RblnConfigError("pipeline_parallel_size must be 1 on the optimum model path")
+        if vllm_config.speculative_config is not None:
+            raise RblnConfigError("speculative decoding is not supported on the optimum model path")
+
+        user_block = cache.block_size if cache.user_specified_block_size else None
+        compiled = mc.model if model_impl.is_compiled_dir(mc.model) else None
+        compile_cfg = None
+        if compiled is None:
+            if name is None:
+                raise device.NpuNameUnavailableError(
+                    "Could not determine the RBLN NPU name (rebel.get_npu_name(0) returned None). "
+                    "On a host without an NPU mounted (e.g., a CPU-only compile worker running with "
+                    "VLLM_RBLN_COMPILE_ONLY=1), set RBLN_FORCE_NPU_NAME to the target NPU (e.g., "
+                    "RBLN-CA25) so compilation can target it.")
+            compiler, optimum = _versions(rebel)
+            key = options.cache_key(
+                model_name=str(mc.model), batch_size=int(sched.max_num_seqs), block_size=user_block,
+                max_model_len=int(mc.max_model_len), num_devices=opts.num_devices_per_local_rank,
+                dtype=mc.dtype, max_num_batched_tokens=user_tokens,
+                memory_budget=float(cache.gpu_memory_utilization), optimum_overrides=opts.optimum_overrides,
+                compiler_version=compiler, optimum_rbln_version=optimum)
+            from vllm import envs
+
+            cached = options.cached_model_path(envs.VLLM_CACHE_ROOT, key)
+            if model_impl.is_compiled_dir(cached):
+                logger.info("Found cached compiled model at %s", cached)
+                compiled = cached
+            else:
+                compile_cfg = cp.rbln_config_for(
+                    max_num_seqs=int(sched.max_num_seqs), max_model_len=int(mc.max_model_len),
+                    block_size=user_block, num_devices=opts.num_devices_per_local_rank,
+                    prefill_chunk_size=device.prefill_chunk_size(name), npu=name,
+                    overrides=opts.optimum_overrides)
+                logger.info("RBLN compile cache: no entry at %s; the worker compiles it (key %s)",
+                            cached, dict(key.factors))
+        if compiled is not None:
+            spec = cp.CompiledModelSpec.from_dir(compiled)
+            splan = cp.scheduler_plan(spec, user_max_num_batched_tokens=user_tokens,
+                                      user_block_size=user_block)
+            model_class = spec.model_class
+            if int(mc.max_model_len) > spec.max_seq_len:
+                raise cp.CompilePlanError(
+                    f"--max-model-len {mc.max_model_len} exceeds the compiled max_seq_len {spec.max_seq_len} "
+                    f"of {compiled}; pass --max-model-len {spec.max_seq_len} or lower")
+            max_num_seqs, block, chunk = splan.max_num_seqs, splan.block_size, splan.max_num_batched_tokens
+            cache.num_gpu_blocks_override = splan.num_gpu_blocks
+        else:
+            from vllm_npu.rbln import architectures
+
+            archs = list(getattr(mc.hf_config, "architectures", None) or [])
+            arch = architectures.require_supported(archs)
+            model_class = architectures.optimum_class_for(arch)
+            max_num_seqs, block, chunk = int(sched.max_num_seqs), int(user_block), int(compile_cfg["prefill_chunk_size"])
+            cached_target = cached
+        if user_tokens is not None and compiled is None and user_tokens != chunk:
+            raise cp.CompilePlanError(
+                f"--max-num-batched-tokens {user_tokens} must equal the prefill chunk {chunk} of "
+                f"{name} (one prefill chunk per step on the optimum path)")
+        cache.block_size = block
+        if cache.enable_prefix_caching:
+            logger.info("RBLN optimum path: prefix caching off (the KV block copy is not wired yet, issue 16)")
+        cache.enable_prefix_caching = False
+        sched.max_num_seqs = max_num_seqs
+        sched.enable_chunked_prefill = True
+        sched.max_num_batched_tokens = max(chunk, max_num_seqs)
+        sched.long_prefill_token_threshold = chunk
+        if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+            sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, sched.max_num_batched_tokens)
+        plan = {
+            "model_class": model_class,
+            "compile": compiled is None,
+            "source": str(mc.model),
+            "compiled_dir": str(compiled if compiled is not None else cached_target),
+            "rbln_config": compile_cfg or {},
+            "runtime_config": {k: v for k, v in (opts.optimum_overrides or {}).items() if k == "device"},
+            "npu": name,
+        }
+        resolved = {k: v for k, v in vars(opts).items() if v is not None}
+        vllm_config.additional_config = {**resolved, PLAN_KEY: plan}
+        logger.info("RBLN platform: %s on %s, model %s (%s), max_num_seqs %d, block_size %d, "
+                    "prefill chunk %d", res.impl, name, plan["compiled_dir"], model_class, max_num_seqs,
+                    block, chunk)
+
+    @classmethod
+    def validate_request(cls, processed_inputs: Any, params: Any) -> None:
+        """Refuse what the optimum worker would otherwise ignore (vLLM answers HTTP 400).
+
+        Raises:
+            RblnRequestError: pooling requests, prompt embeddings, prompt logprobs,
+                structured outputs, ``min_p``, ``min_tokens``, ``logit_bias``,
+                ``allowed_token_ids`` or ``logprob_token_ids`` (each named).
+        """
+        from vllm.sampling_params import SamplingParams
+
+        from vllm_npu.rbln.errors import RblnRequestError
+
+        if not isinstance(params, SamplingParams):
+            raise RblnRequestError("the RBLN optimum worker serves text generation only (no pooling requests)")
+        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+            raise RblnRequestError("the RBLN optimum worker takes token prompts only: prompt_embeds is "
+                                   "not supported", parameter="prompt_embeds")
+        refused: list[tuple[str, str]] = []
+        if params.prompt_logprobs is not None:
+            refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs} (the compiled "
+                            "prefill returns the last position's logits only)"))
+        if params.structured_outputs is not None:
+            refused.append(("response_format", "structured outputs (response_format / guided decoding)"))
+        if params.min_p:
+            refused.append(("min_p", f"min_p={params.min_p}"))
+        if params.min_tokens:
+            refused.append(("min_tokens", f"min_tokens={params.min_tokens}"))
+        if params.logit_bias:
+            refused.append(("logit_bias", "logit_bias"))
+        if params.allowed_token_ids:
+            refused.append(("allowed_token_ids", "allowed_token_ids"))
+        if params.logprob_token_ids:
+            refused.append(("logprob_token_ids", "logprob_token_ids"))
+        if refused:
+            raise RblnRequestError(
+                "the RBLN optimum worker samples on the host with temperature, top_p, top_k, seed, "
+                "penalties, bad_words and logprobs only; refused: " + ", ".join(t for _p, t in refused),
+                parameter=refused[0][0])
+
+    @classmethod
+    def log_warnings(cls) -> None:
+        logger.info("RBLN platform active (NPU_HARNESS_TARGET=%s)", os.environ.get("NPU_HARNESS_TARGET", ""))

@@ -1,0 +1,171 @@
+"""The RBLN device for the serving suite and the RBLN scenarios.
+
+* On ``rbln-sim`` the model is a tiny llama built here (``head_dim`` 64, the width the RBLN
+  CPU kernels of torch-rbln require, so the same model compiles for a board), served with
+  ``vllm serve`` and compiled at engine start by the vendor's optimum-rbln on ``npusim.rbln``
+  into a compile cache of this session (``VLLM_CACHE_ROOT``); the golden decoder
+  (``npusim.llm``) is the reference for greedy outputs.
+* On ``rbln-hw`` the same tiny model is compiled by the real rebel-compiler on the board
+  (``NPU_HARNESS_RBLN_MODEL`` may name another HF or compiled directory instead); there is no
+  golden decoder for a model named that way, so scenarios compare against the same requests
+  sent alone.
+
+Serving profile: ``--max-model-len 1024 --block-size 1024`` (eager attention, one KV block per
+sequence), ``--max-num-seqs 4`` with decoders for batches 4, 2 and 1.
+
+Fault model (simulator only, ``NPUSIM_RBLN``): ``once`` fails the 11th runtime call of the
+engine, which the worker retries (log ``RBLN ... failed; retrying once``); ``persistent`` fails
+every call from the 11th on, the retry fails too (``failed twice``) and the engine stops, so
+every request in flight gets an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from npu_conformance import vllm_server as vs
+from npu_conformance.devices.base import DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+
+MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
+#: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
+SERVING_ARGS: tuple[str, ...] = (
+    "--block-size", "1024", "--max-num-seqs", "4",
+    "--rbln-optimum-overrides", json.dumps({"decoder_batch_sizes": [4, 2, 1]}),
+)
+#: The tiny model of the RBLN scenarios: the standard tiny llama with 64-wide heads.
+TINY_OVERRIDES: dict[str, Any] = {"head_dim": 64}
+
+
+@dataclass
+class RblnLab(DeviceLab):
+    """Per-session models, compile cache and servers for one RBLN target."""
+
+    _hf_dir: Path | None = None
+    _golden: Any = None
+    _cache_root: Path | None = None
+
+    device: ClassVar[str] = "rbln"
+    max_model_len: ClassVar[int] = 1024
+    #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
+    refusals: ClassVar[tuple[Refusal, ...]] = (
+        Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
+        Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
+        Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
+        Refusal("min_tokens", {"min_tokens": 2}),
+        Refusal("logit_bias", {"logit_bias": {"5": 10}}),
+        Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
+        Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
+        Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
+        Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
+    )
+
+    @property
+    def cache_root(self) -> Path:
+        """``VLLM_CACHE_ROOT`` of this session's servers (the compile cache lives under it)."""
+        if self._cache_root is None:
+            self._cache_root = self.workdir / "vllm-cache"
+            self._cache_root.mkdir(parents=True, exist_ok=True)
+        return self._cache_root
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The target's vLLM environment with this session's ``VLLM_CACHE_ROOT`` (``extra`` wins)."""
+        return vs.vllm_env(self.target, **{"VLLM_CACHE_ROOT": str(self.cache_root), **extra})
+
+    def hf_dir(self) -> Path:
+        """The model the servers serve (built once per session unless ``NPU_HARNESS_RBLN_MODEL``)."""
+        if self._hf_dir is None:
+            named = os.environ.get(MODEL_ENV, "")
+            if named and not self.simulated:
+                self._hf_dir = Path(named)
+            else:
+                from npusim import tinymodel
+
+                self._hf_dir = tinymodel.build("llama", self.workdir / "tiny-llama-hd64", **TINY_OVERRIDES)
+        return self._hf_dir
+
+    def golden(self):
+        """The golden decoder of the tiny model (None when a named model is served on hardware)."""
+        if not self.simulated and os.environ.get(MODEL_ENV):
+            return None
+        if self._golden is None:
+            from npusim.llm import Decoder
+
+            self._golden = Decoder.from_pretrained(self.hf_dir())
+        return self._golden
+
+    def serving_server(self) -> vs.Server:
+        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS])
+
+    def fault(self, kind: str) -> FaultPlan:
+        """``NPUSIM_RBLN`` runtime-call failures from the 11th call on (see the module docstring).
+
+        Raises:
+            FaultsUnsupported: on ``rbln-hw``.
+            ValueError: an unknown ``kind``.
+        """
+        if kind not in self.FAULT_KINDS:
+            raise ValueError(f"fault kind {kind!r} is not one of {self.FAULT_KINDS}")
+        if not self.simulated:
+            raise FaultsUnsupported("faults are injected only into the simulator (npusim.rbln, NPUSIM_RBLN)")
+        times, evidence = (1, r"RBLN .* failed; retrying once") if kind == "once" else (None, r"RBLN .* failed twice")
+        return FaultPlan(self.hf_dir(), ("--max-model-len", str(self.max_model_len), *SERVING_ARGS),
+                         {"NPUSIM_RBLN": json.dumps({"fault": {"after_calls": 10, "times": times}})},
+                         evidence)
+
+
+#: Runs ``EngineArgs.create_engine_config`` for each argument list, with the target's plugin,
+#: and prints what the RBLN platform resolved (or the error), one JSON line each.
+_PROBE = r'''
+import json, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+for argv in json.loads(sys.argv[1]):
+    print("NPU_HARNESS_RUN", flush=True)
+    parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
+    from vllm.platforms import current_platform
+    current_platform.pre_register_and_update(parser)
+    try:
+        cfg = EngineArgs.from_cli_args(parser.parse_args(argv)).create_engine_config()
+    except BaseException as exc:
+        out = {"error": f"{type(exc).__name__}: {exc}"}
+    else:
+        s, c = cfg.scheduler_config, cfg.cache_config
+        extra = cfg.additional_config or {}
+        out = {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
+               "block_size": c.block_size, "enable_prefix_caching": c.enable_prefix_caching,
+               "num_gpu_blocks_override": c.num_gpu_blocks_override,
+               "worker_cls": cfg.parallel_config.worker_cls,
+               "plan": extra.get("npu_harness_rbln_plan")}
+    sys.stderr.flush()
+    sys.stdout.flush()
+    print("NPU_HARNESS_CONFIG " + json.dumps(out, default=str), flush=True)
+'''
+
+
+def engine_configs(lab: DeviceLab, runs: list[list[str]], **env: str) -> list[dict[str, Any]]:
+    """What the RBLN platform resolves for each ``vllm serve`` argument list (``--model M ...``),
+    through vLLM's own ``EngineArgs.create_engine_config`` in one subprocess with ``lab``'s
+    environment plus ``env``; each result has ``log`` (the run's log lines) and, for a refused one,
+``error`` (``"Type: message"``).
+
+    Raises:
+        RuntimeError: the probe itself failed (its stderr attached).
+    """
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(runs)], env=lab.env(**env),
+                          capture_output=True, text=True, timeout=600)
+    mark = "NPU_HARNESS_CONFIG "
+    found = [json.loads(line[len(mark):]) for line in proc.stdout.splitlines() if line.startswith(mark)]
+    if len(found) != len(runs):
+        raise RuntimeError(f"engine config probe failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    logs = proc.stdout.split("NPU_HARNESS_RUN\n")[1:]  # vLLM logs to stdout
+    for out, log in zip(found, logs):
+        out["log"] = log
+    return found

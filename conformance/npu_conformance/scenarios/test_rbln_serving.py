@@ -1,0 +1,237 @@
+"""RBLN serving scenarios: ``vllm serve`` with the RBLN plugin on ``rbln-sim`` / ``rbln-hw``.
+
+What every serving target must do is the device-neutral suite (``test_serving.py``); these are
+the RBLN-specific behaviours of the seed (``docs/rbln.md``), through real ``vllm serve``
+processes or vLLM's own ``EngineArgs.create_engine_config`` with the RBLN platform
+(``npu_conformance.devices.rbln``):
+
+* ``impl_matrix``: ``--model-impl`` auto / transformers / optimum / vllm x ATOM / Rebel100 x an
+  architecture optimum-rbln implements or not x a compiled directory: which path each takes,
+  the ``vllm`` path refused on ATOM naming the device and what selected it.
+* ``option_rejections``: a ``--rbln-*`` option of the other path is rejected listing it; a
+  deprecated ``VLLM_RBLN_*`` variable and a renamed ``additional_config`` key still work, with
+  their warnings.
+* ``compile_cache_reuse_and_invalidation``: a second start with the same configuration loads
+  the compile cache (log, no compile, faster); a changed ``--max-num-seqs`` compiles anew.
+* ``decode_buckets_and_padding``: concurrent requests run on the smallest compiled decoder
+  that fits, padded, with outputs equal to the golden decoder.
+* ``chunked_long_prompt``: a prompt of several prefill chunks equals the golden decoder.
+* ``compiled_dir_served``: a directory compiled ahead of time (optimum-rbln's own export) is
+  served without compiling, with the scheduler taken from its ``rbln_config.json``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import re
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from npu_conformance import vllm_server as vs
+from npu_conformance.devices import rbln as rd
+from npu_conformance.vllm_server import completion_ids
+
+pytestmark = pytest.mark.scenario(devices=("rbln",))
+
+LEN = "1024"
+
+
+def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
+
+
+def _golden(lab, prompt: list[int], n: int) -> list[int] | None:
+    g = lab.golden()
+    return None if g is None else [int(t) for t in g.generate_greedy(list(prompt), n)]
+
+
+def _ids(server, prompt, n=16) -> list[int]:
+    return completion_ids(server.complete(prompt, n, return_token_ids=True, ignore_eos=True))
+
+
+def _unsupported_arch_dir(lab):
+    """The tiny model declared as an architecture vLLM runs and optimum-rbln does not."""
+    out = lab.workdir / "tiny-internlm3"
+    if not out.exists():
+        shutil.copytree(lab.hf_dir(), out)
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["architectures"] = ["InternLM3ForCausalLM"]
+        (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    return out
+
+
+def _compiled_dir(lab):
+    """optimum-rbln's own export of the tiny model (batch 2, block 1024), made in a child
+    process with the target's ``rebel``."""
+    out = lab.workdir / "aot-compiled"
+    if not (out / "rbln_config.json").exists():
+        import subprocess
+        import sys
+
+        code = ("import sys; from optimum.rbln import RBLNLlamaForCausalLM as M; "
+                "M.from_pretrained(sys.argv[1], export=True, model_save_dir=sys.argv[2], "
+                "rbln_config={'batch_size': 2, 'max_seq_len': 1024})")
+        proc = subprocess.run([sys.executable, "-c", code, str(lab.hf_dir()), str(out)], env=lab.env(),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_impl_matrix(target, record, device_labs):
+    lab = device_labs(target.name)
+    hf, other, compiled = str(lab.hf_dir()), str(_unsupported_arch_dir(lab)), str(_compiled_dir(lab))
+    base = ["--max-model-len", LEN, "--block-size", LEN]
+    cases = [
+        # (impl flag, device, model, expected path or refusal regex)
+        ("auto", "RBLN-CA25", hf, "optimum"),
+        ("transformers", "RBLN-CA25", hf, "optimum"),
+        ("optimum", "RBLN-CR13", hf, "optimum"),
+        ("auto", "RBLN-CA25", compiled, "optimum"),
+        ("auto", "RBLN-CA25", other, r"The vllm model path is not supported on RBLN-CA25; the model's "
+                                     r"architecture selected it\. Use a model optimum-rbln implements\."),
+        ("vllm", "RBLN-CA25", hf, r"The vllm model path is not supported on RBLN-CA25; --model-impl vllm "
+                                  r"selected it\. Use --model-impl optimum\."),
+        ("transformers", "RBLN-CA25", other, r"Model architectures \['InternLM3ForCausalLM'\] are not "
+                                             r"supported on RBLN for now"),
+        ("bogus", "RBLN-CA25", hf, r"unsupported model implementation 'bogus'; --model-impl takes "
+                                   r"\['auto', 'optimum', 'transformers', 'vllm'\] on RBLN"),
+        # the vllm path on Rebel100 passes the device check, then is not built (issue 16)
+        ("vllm", "RBLN-CR13", hf, r"NotImplementedError: the vllm model path .*\(issue 16\)"),
+        ("auto", "RBLN-CR13", other, r"NotImplementedError: the vllm model path .*\(issue 16\)"),
+    ]
+    done = 0
+    for device in ("RBLN-CA25", "RBLN-CR13"):
+        mine = [c for c in cases if c[1] == device]
+        runs = [["--model", m, *base, *([] if m == compiled else []), "--model-impl", flag] for flag, _, m, _ in mine]
+        env = {"RBLN_FORCE_NPU_NAME": device}
+        if lab.simulated:
+            env["NPUSIM_RBLN"] = json.dumps({"devices": [device]})
+        for (flag, _, model, want), got in zip(mine, rd.engine_configs(lab, runs, **env)):
+            label = f"--model-impl {flag} on {device} with {model}"
+            if want == "optimum":
+                assert "error" not in got, f"{label}: {got.get('error')}"
+                assert got["worker_cls"] == "vllm_npu.rbln.worker.RblnOptimumWorker", label
+            else:
+                assert "error" in got and re.search(want, got["error"]), f"{label}: {got.get('error', got)}"
+            done += 1
+    record.figure("cases", done)
+
+
+def test_option_rejections(target, record, device_labs):
+    lab = device_labs(target.name)
+    hf = str(lab.hf_dir())
+    base = ["--model", hf, "--max-model-len", LEN, "--block-size", LEN]
+    runs = [
+        [*base, "--rbln-use-w8a8"],
+        [*base, "--rbln-decode-batch-bucket-strategy", "linear", "--rbln-use-w8a8"],
+        [*base, "--additional-config", json.dumps({"gdn_prefill_backend": "x"})],
+        [*base, "--additional-config", json.dumps({"rbln_config": {"decoder_batch_sizes": [1]}})],
+        [*base, "--rbln-sub-block-size", "128"],
+    ]
+    got = rd.engine_configs(lab, runs, VLLM_RBLN_SAMPLER="0")
+    foreign = r"additional_config takes only OptimumRBLNConfig fields, and \[{}\] are not fields\. The fields are \["
+    assert re.search(foreign.format("'use_w8a8'"), got[0].get("error", "")), got[0]
+    assert re.search(foreign.format("'decode_batch_bucket_strategy', 'use_w8a8'"), got[1].get("error", "")), got[1]
+    assert re.search(foreign.format("'gdn_prefill_backend'"), got[2].get("error", "")), got[2]
+    assert "error" not in got[3], got[3]
+    assert "additional_config['rbln_config'] is deprecated and will be removed in 0.14.0; use 'optimum_overrides'." in got[3]["log"]
+    assert got[3]["plan"]["rbln_config"]["decoder_batch_sizes"] == [1]
+    assert "error" not in got[4], got[4]
+    for g in got[3:]:
+        assert ("These environment variables are deprecated and will be removed in 0.14.0. Use the flag instead, "
+                "or the additional_config key it writes, which is the flag without the --rbln- prefix: "
+                "VLLM_RBLN_SAMPLER -> --rbln-use-custom-sampler") in g["log"]
+    record.figure("rejections", 3)
+
+
+def _start(lab, args, log_name: str, cache) -> tuple[vs.Server, float]:
+    t0 = time.perf_counter()
+    srv = vs.start(lab.hf_dir(), args, env=lab.env(VLLM_CACHE_ROOT=str(cache)), log=lab.workdir / log_name)
+    return srv, time.perf_counter() - t0
+
+
+def test_compile_cache_reuse_and_invalidation(target, record, device_labs):
+    lab = device_labs(target.name)
+    cache = lab.workdir / "cache-scenario"
+    shutil.rmtree(cache, ignore_errors=True)
+    args = ["--max-model-len", LEN, "--block-size", LEN, "--max-num-seqs", "2"]
+    prompt = _prompts(1, 20, seed=5)[0]
+    outs, times, logs = [], [], []
+    for i, run_args in enumerate([args, args, [*args[:-1], "3"]]):
+        srv, took = _start(lab, run_args, f"cache-{i}.log", cache)
+        try:
+            outs.append(_ids(srv, prompt))
+        finally:
+            srv.stop()
+        times.append(took)
+        logs.append(srv.log_text())
+    cold, warm, changed = logs
+    assert "RBLN compile: done in" in cold and "RBLN compile cache: no entry at" in cold
+    assert "Found cached compiled model at" in warm
+    assert "RBLN compile: done" not in warm and "RBLN compile cache: no entry" not in warm
+    assert "warm start" in warm
+    assert "RBLN compile: done in" in changed, "a changed --max-num-seqs must compile anew"
+    assert outs[0] == outs[1] == outs[2]
+    if lab.golden() is not None:
+        assert outs[0] == _golden(lab, prompt, 16)
+    compile_s = float(re.search(r"RBLN compile: done in ([\d.]+) s", cold).group(1))
+    load_s = float(re.search(r"compiled model \S+ in ([\d.]+) s, no compile", warm).group(1))
+    assert load_s < compile_s, f"the warm load ({load_s:.2f} s) is not faster than the compile ({compile_s:.2f} s)"
+    record.figure("cold_start_s", round(times[0], 1))
+    record.figure("warm_start_s", round(times[1], 1))
+    record.figure("compile_s", compile_s)
+    record.figure("cache_load_s", load_s)
+
+
+def test_decode_buckets_and_padding(target, record, device_labs):
+    lab = device_labs(target.name)
+    server = lab.serving_server()
+    prompts = _prompts(3, 24, seed=9)
+    with cf.ThreadPoolExecutor(3) as ex:
+        got = list(ex.map(lambda p: _ids(server, p, 24), prompts))
+    for p, g in zip(prompts, got):
+        want = _golden(lab, p, 24)
+        if want is not None:
+            assert g == want
+        else:
+            assert _ids(server, p, 24) == g
+    layouts = set(re.findall(r"RBLN decode: (\d+) rows on the batch-(\d+) decoder", server.log_text()))
+    assert layouts, "no decode layout logged"
+    for rows, batch in layouts:
+        assert int(batch) == min(b for b in (1, 2, 4) if b >= int(rows)), f"{rows} rows ran on batch {batch}"
+    assert any(int(r) < int(b) for r, b in layouts), f"no padded decode among {sorted(layouts)}"
+    record.figure("layouts", len(layouts))
+
+
+def test_chunked_long_prompt(target, record, device_labs):
+    lab = device_labs(target.name)
+    server = lab.serving_server()
+    prompt = _prompts(1, 600, seed=11)[0]  # 5 prefill chunks of 128, the last padded
+    got = _ids(server, prompt, 12)
+    want = _golden(lab, prompt, 12)
+    if want is not None:
+        assert got == want
+    assert re.search(r"RBLN prefill: 6\d\d tokens in 5 chunks of 128", server.log_text())
+    record.figure("prompt_tokens", len(prompt))
+
+
+def test_compiled_dir_served(target, record, device_labs):
+    lab = device_labs(target.name)
+    compiled = _compiled_dir(lab)
+    srv = lab.server(compiled, ["--max-model-len", LEN])
+    log = srv.log_text()
+    assert "RBLN load: compiled model" in log and "RBLN compile: done" not in log
+    assert "max_num_seqs 2, block_size 1024, prefill chunk 128" in log
+    prompts = _prompts(2, 30, seed=13)
+    with cf.ThreadPoolExecutor(2) as ex:
+        got = list(ex.map(lambda p: _ids(srv, p), prompts))
+    for p, g in zip(prompts, got):
+        want = _golden(lab, p, 16)
+        if want is not None:
+            assert g == want
+    record.figure("requests", len(prompts))

@@ -1,0 +1,141 @@
+"""Host-side sampling for the device workers: vLLM's own ``Sampler`` on the device's logits.
+
+The device returns logits; sampling (temperature, top-p, top-k, seeds, logprobs, bad words and
+the frequency / presence / repetition penalties) runs on the CPU with vLLM's sampler, as
+vllm-mblt and vllm-rbln (with ``--no-rbln-use-custom-sampler``) do. A device may switch the
+penalties off (MBLT: ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0``, see
+:mod:`vllm_npu.mblt.sampling`); the sampler then logs once which ones it dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+logger = logging.getLogger("vllm.vllm_npu")
+
+PENALTIES_ENV = "VLLM_MBLT_ENABLE_SAMPLING_PENALTIES"
+_GREEDY_EPS = 1e-5
+_FALSE = {"0", "false", "no", "off"}
+
+
+def penalties_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES``: on unless set to 0/false/no/off."""
+    env = os.environ if environ is None else environ
+    return env.get(PENALTIES_ENV, "1").strip().lower() not in _FALSE
+
+
+@dataclass
+class SampleRequest:
+    """What the sampler needs of one request: its params, ids so far and its generator."""
+
+    params: object  # vllm.SamplingParams
+    prompt_ids: Sequence[int]
+    output_ids: Sequence[int]
+    generator: torch.Generator | None
+
+
+class HostSampler:
+    """Builds vLLM ``SamplingMetadata`` per step and runs vLLM's ``Sampler``.
+
+    Args:
+        vocab_size: logits width.
+        enable_penalties: apply frequency/presence/repetition penalties (default: on, unless
+            ``$VLLM_MBLT_ENABLE_SAMPLING_PENALTIES`` turns them off).
+        switch: the setting that turned them off, named in the warning.
+        log: where the warning goes (default ``vllm.vllm_npu``).
+    """
+
+    def __init__(self, vocab_size: int, enable_penalties: bool | None = None,
+                 switch: str = PENALTIES_ENV, log: logging.Logger | None = None) -> None:
+        from vllm.v1.sample.sampler import Sampler
+
+        self.vocab_size = int(vocab_size)
+        self.enable_penalties = penalties_enabled() if enable_penalties is None else enable_penalties
+        self.switch = switch
+        self.log = log or logger
+        self._sampler = Sampler(logprobs_mode="raw_logprobs")
+        self._warned: set[str] = set()
+
+    def _dropped_penalties(self, params: object) -> None:
+        dropped = [name for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
+                                              ("repetition_penalty", 1.0))
+                   if getattr(params, name) != neutral and name not in self._warned]
+        if dropped:
+            self._warned.update(dropped)
+            self.log.warning(
+                "Sampling penalties are disabled by %s. Ignoring %s: the output is then generated "
+                "under different sampling than a reference run that applies them.",
+                self.switch, ", ".join(dropped),
+            )
+
+    def metadata(self, reqs: Sequence[SampleRequest]):
+        from vllm.v1.sample.logits_processor import LogitsProcessors
+        from vllm.v1.sample.metadata import SamplingMetadata
+
+        n = len(reqs)
+        temps, top_p, top_k, gens = [], [], [], {}
+        freq, pres, rep = [], [], []
+        for i, r in enumerate(reqs):
+            p = r.params
+            greedy = p.temperature < _GREEDY_EPS or p.top_k == 1
+            temps.append(0.0 if greedy else float(p.temperature))
+            top_p.append(float(p.top_p))
+            top_k.append(int(p.top_k) if p.top_k and p.top_k > 0 else self.vocab_size)
+            if not greedy and r.generator is not None:
+                gens[i] = r.generator
+            if self.enable_penalties:
+                freq.append(p.frequency_penalty)
+                pres.append(p.presence_penalty)
+                rep.append(p.repetition_penalty)
+            else:
+                self._dropped_penalties(p)
+                freq.append(0.0)
+                pres.append(0.0)
+                rep.append(1.0)
+        all_greedy = all(t == 0.0 for t in temps)
+        all_random = all(t != 0.0 for t in temps)
+        no_penalties = all(f == 0.0 and q == 0.0 and r_ == 1.0 for f, q, r_ in zip(freq, pres, rep))
+        prompt_tensor = None
+        if not no_penalties:
+            width = max(len(r.prompt_ids) for r in reqs)
+            arr = np.full((n, max(width, 1)), self.vocab_size, dtype=np.int64)
+            for i, r in enumerate(reqs):
+                arr[i, : len(r.prompt_ids)] = r.prompt_ids
+            prompt_tensor = torch.from_numpy(arr)
+        logprobs = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        bad_words = {i: r.params.bad_words_token_ids for i, r in enumerate(reqs)
+                     if getattr(r.params, "bad_words_token_ids", None)}
+        return SamplingMetadata(
+            temperature=None if all_greedy else torch.tensor(temps, dtype=torch.float32),
+            all_greedy=all_greedy,
+            all_random=all_random,
+            top_p=None if all(v == 1.0 for v in top_p) else torch.tensor(top_p, dtype=torch.float32),
+            top_k=None if all(v == self.vocab_size for v in top_k) else torch.tensor(top_k, dtype=torch.int32),
+            generators=gens,
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            no_penalties=no_penalties,
+            prompt_token_ids=prompt_tensor,
+            frequency_penalties=torch.tensor(freq, dtype=torch.float32),
+            presence_penalties=torch.tensor(pres, dtype=torch.float32),
+            repetition_penalties=torch.tensor(rep, dtype=torch.float32),
+            output_token_ids=[list(r.output_ids) for r in reqs],
+            allowed_token_ids_mask=None,
+            bad_words_token_ids=bad_words,
+            logitsprocs=LogitsProcessors(None),
+        )
+
+    def sample(self, logits: np.ndarray, reqs: Sequence[SampleRequest]):
+        """Sample one token per row of ``logits`` ``[len(reqs), vocab]``.
+
+        Returns:
+            ``(token_ids: list[int], logprobs_tensors or None)`` (vLLM's ``LogprobsTensors``).
+        """
+        t = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+        out = self._sampler.forward(t, self.metadata(reqs), logprobs_mode_override="raw_logprobs")
+        return out.sampled_token_ids.view(-1).tolist(), out.logprobs_tensors

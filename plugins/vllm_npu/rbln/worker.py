@@ -1,0 +1,280 @@
+"""The RBLN vLLM worker of the ``optimum`` (``transformers``) model path.
+
+The model is the vendor's own optimum-rbln class (``RBLNLlamaForCausalLM``...), which reaches
+the device only through ``rebel`` (imported by name: the real rebel-compiler on ``rbln-hw``,
+``npusim.rbln`` through the alias on ``rbln-sim``). vLLM's engine calls, in order:
+``init_device``, ``load_model`` (compile into the compile cache, or load a compiled
+directory), ``get_kv_cache_spec`` / ``determine_available_memory`` (the compiled KV block
+count, +1 for vLLM's null block), ``initialize_from_config``, ``compile_or_warm_up_model``,
+then ``execute_model`` once per step, which returns the step's ``ModelRunnerOutput`` with
+host sampling done (:mod:`vllm_npu.host_sampling`).
+
+A step's device work comes from :class:`vllm_npu.rbln.sequences.SequenceTable`: prefills one at a
+time through ``model.prefill_decoder`` (chunked by optimum-rbln), then one padded decode
+through ``model.decoders[bucket]``. A device call that fails is retried once (a retry rewrites
+the same KV positions), then the step fails with :class:`RblnDeviceError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_npu._worker import NpuWorker
+from vllm_npu.host_sampling import HostSampler, SampleRequest
+from vllm_npu.rbln import compile_plan as cp
+from vllm_npu.rbln.sequences import SequenceTable, StepPlan
+
+logger = logging.getLogger("vllm.vllm_npu.rbln")
+
+#: ``additional_config`` key the platform hands the worker its plan under.
+PLAN_KEY = "npu_harness_rbln_plan"
+
+
+class RblnWorkerError(RuntimeError):
+    """The worker cannot serve as configured (the message names the values)."""
+
+
+class RblnDeviceError(RblnWorkerError):
+    """A device call failed again after the one retry (the runtime's error is chained)."""
+
+
+def import_rebel() -> Any:
+    """``import rebel`` by name (the vendor API seam).
+
+    Raises:
+        RblnWorkerError: it cannot be imported (names how to get one).
+    """
+    try:
+        return importlib.import_module("rebel")
+    except ImportError as exc:
+        raise RblnWorkerError(
+            f"import rebel failed ({exc}): on an RBLN host install rebel-compiler "
+            "(pip install --extra-index-url https://pypi.rbln.ai/simple rebel-compiler==0.12.0); "
+            "on rbln-sim run `npu-harness alias install` and set NPU_HARNESS_TARGET=rbln-sim") from exc
+
+
+def model_class(name: str) -> Any:
+    """optimum-rbln's class ``name`` (``RBLNLlamaForCausalLM``).
+
+    Raises:
+        RblnWorkerError: optimum-rbln is missing or has no such class.
+    """
+    try:
+        orbln = importlib.import_module("optimum.rbln")
+        return getattr(orbln, name)
+    except (ImportError, AttributeError) as exc:
+        raise RblnWorkerError(f"optimum-rbln provides no {name} ({exc}); pip install optimum-rbln==0.12.0") from exc
+
+
+class RblnOptimumWorker(NpuWorker):
+    """vLLM worker running optimum-rbln compiled decoders (see the module docstring)."""
+
+    npu_name = "RBLN"
+
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        extra = vllm_config.additional_config or {}
+        plan = extra.get(PLAN_KEY) if isinstance(extra, dict) else None
+        if not isinstance(plan, dict):
+            raise RblnWorkerError("the RBLN platform handed the worker no compile plan (additional_config)")
+        self.plan = plan
+        self.model: Any = None
+        self.spec: cp.CompiledModelSpec | None = None
+        self.table: SequenceTable | None = None
+        self.sampler: HostSampler | None = None
+        self._seen_layouts: set[tuple[int, int]] = set()
+        self._logged_chunked = False
+        self.stats = {"steps": 0, "prefills": 0, "decodes": 0, "retries": 0, "padded_rows": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init_device(self) -> None:
+        from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
+        self.device = torch.device("cpu")
+        set_torch_threads_for_runtime()
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:  # noqa: ARG002
+        """Load the compiled directory, or compile into the compile cache first.
+
+        Raises:
+            RblnWorkerError: no rebel / optimum-rbln; the compiled model does not match the plan.
+            whatever optimum-rbln raises for the compile (its own messages).
+        """
+        rebel = import_rebel()
+        compiled = self.plan["compiled_dir"]
+        cls = model_class(self.plan["model_class"])
+        t0 = time.perf_counter()
+        if self.plan.get("compile"):
+            logger.info("RBLN compile: %s -> %s with rbln_config %s (rebel %s)", self.plan["source"],
+                        compiled, self.plan["rbln_config"], getattr(rebel, "__version__", "?"))
+            tmp = Path(compiled + ".partial")
+            tmp.mkdir(parents=True, exist_ok=True)
+            self.model = cls.from_pretrained(self.plan["source"], export=True, model_save_dir=str(tmp),
+                                             rbln_config=dict(self.plan["rbln_config"]))
+            if Path(compiled).exists():  # another process finished first: keep the finished one
+                logger.info("RBLN compile cache: %s appeared meanwhile; keeping it", compiled)
+            else:
+                tmp.rename(compiled)
+            logger.info("RBLN compile: done in %.2f s (cold start)", time.perf_counter() - t0)
+        else:
+            self.model = cls.from_pretrained(compiled, rbln_config=dict(self.plan.get("runtime_config") or {}))
+            logger.info("RBLN load: compiled model %s in %.2f s, no compile (warm start)", compiled,
+                        time.perf_counter() - t0)
+        self.spec = cp.CompiledModelSpec.from_dir(compiled if Path(compiled).exists() else str(tmp))
+        blocks = self.spec.kvcache_num_blocks or self.spec.batch_size * (self.spec.max_seq_len // self.spec.block_size)
+        self.table = SequenceTable(blocks, self.spec.block_size, self.spec.max_seq_len, self.spec.decoder_batch_sizes)
+        self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger)
+        logger.info("RBLN model %s: %d KV blocks of %d tokens, max_seq_len %d, prefill chunk %d, "
+                    "decoders %s, attention %s", self.spec.model_class, blocks, self.spec.block_size,
+                    self.spec.max_seq_len, self.spec.prefill_chunk_size, list(self.spec.decoder_batch_sizes),
+                    self.spec.attn_impl)
+
+    def _num_blocks(self) -> int:
+        assert self.table is not None
+        return self.table.num_device_blocks + 1  # + vLLM's null block 0
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+        assert self.spec is not None
+        # The KV lives in the compiled runtime; vLLM only does the block accounting.
+        return {"rbln": MLAAttentionSpec(block_size=self.spec.block_size, num_kv_heads=1, head_size=1,
+                                         dtype=torch.int8)}
+
+    def determine_available_memory(self) -> int:
+        return self._num_blocks() * self.get_kv_cache_spec()["rbln"].page_size_bytes
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:  # noqa: ARG002
+        if num_gpu_blocks != self._num_blocks():
+            raise RblnWorkerError(f"KV blocks mismatch: the compiled model has {self._num_blocks() - 1} "
+                                  f"(+1 null), vLLM planned {num_gpu_blocks}")
+
+    def get_cache_block_size_bytes(self) -> int:
+        assert self.spec is not None
+        return self.spec.block_size
+
+    def check_health(self) -> None:
+        if self.model is None:
+            raise RblnWorkerError("the RBLN model is not loaded")
+
+    def shutdown(self) -> None:
+        self.model = None
+        if self.table is not None:
+            self.table.seqs.clear()
+
+    def sample_tokens(self, grammar_output):  # noqa: ARG002
+        raise NotImplementedError("the RBLN worker samples inside execute_model")
+
+    # ------------------------------------------------------------------ the step
+
+    def execute_model(self, scheduler_output):
+        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+
+        so = scheduler_output
+        table = self.table
+        assert table is not None and self.sampler is not None
+        for rid in so.finished_req_ids:
+            table.finish(rid)
+        for rid in so.preempted_req_ids or ():
+            table.preempt(rid)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params is not None and params.seed is not None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(params.seed)
+            table.add(new.req_id, new.prompt_token_ids or [], params, gen, new.block_ids[0], new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
+            table.update(rid, blocks[0] if blocks else None, rid in cached.resumed_req_ids,
+                         cached.num_computed_tokens[i], all_ids)
+        order = list(so.num_scheduled_tokens)
+        if not order:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        self.stats["steps"] += 1
+        plan = table.plan(dict(so.num_scheduled_tokens))
+        logits = self._run(plan)
+        table.done(plan)
+
+        index = {rid: i for i, rid in enumerate(order)}
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs = None
+        seqs = plan.sampled()
+        if seqs:
+            reqs = [SampleRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs]
+            toks, lp = self.sampler.sample(logits, reqs)
+            for s, tok in zip(seqs, toks):
+                sampled[index[s.req_id]] = [int(tok)]
+                s.output_ids.append(int(tok))
+            if lp is not None:
+                lists = lp.tolists()
+                n, width = len(order), lists.logprobs.shape[1]
+                ids = np.zeros((n, width), lists.logprob_token_ids.dtype)
+                vals = np.zeros((n, width), lists.logprobs.dtype)
+                ranks = np.zeros((n,), lists.sampled_token_ranks.dtype)
+                for row, s in enumerate(seqs):
+                    i = index[s.req_id]
+                    ids[i], vals[i], ranks[i] = lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row]
+                logprobs = LogprobsLists(ids, vals, ranks, None)
+        return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
+                                 logprobs=logprobs, prompt_logprobs_dict={})
+
+    def _device_call(self, what: str, fn):
+        """``fn()`` with one retry on a runtime error (see the module docstring)."""
+        try:
+            return fn()
+        except (RuntimeError, ValueError) as first:
+            if isinstance(first, RblnWorkerError):
+                raise
+            self.stats["retries"] += 1
+            logger.warning("RBLN %s failed; retrying once: %s", what, str(first).splitlines()[0])
+            try:
+                return fn()
+            except (RuntimeError, ValueError) as second:
+                raise RblnDeviceError(f"RBLN {what} failed twice: {str(second).splitlines()[0]}") from second
+
+    def _run(self, plan: StepPlan) -> np.ndarray:
+        """Run ``plan``; return the last-position logits of :meth:`StepPlan.sampled`, in order."""
+        rows: list[np.ndarray] = []
+        for p in plan.prefills:
+            ids = torch.tensor([p.ids], dtype=torch.int64)
+            pos = torch.arange(len(p.ids), dtype=torch.int32).unsqueeze(0)
+            tbl = torch.tensor(p.table, dtype=torch.int16)
+            out = self._device_call(f"prefill of {p.seq.req_id} ({len(p.ids)} tokens)",
+                                    lambda: self.model.prefill_decoder(input_ids=ids, cache_position=pos,
+                                                                       block_tables=tbl).logits)
+            rows.append(out.reshape(-1, out.shape[-1])[-1].float().numpy())
+            self.stats["prefills"] += 1
+            chunks = -(-len(p.ids) // self.spec.prefill_chunk_size)
+            if chunks > 1 and not self._logged_chunked:
+                self._logged_chunked = True
+                logger.info("RBLN prefill: %d tokens in %d chunks of %d", len(p.ids), chunks,
+                            self.spec.prefill_chunk_size)
+        d = plan.decode
+        if d is not None:
+            ids = torch.tensor(d.ids, dtype=torch.int64).unsqueeze(1)
+            pos = torch.tensor(d.positions, dtype=torch.int32).unsqueeze(1)
+            tbl = torch.tensor(d.tables, dtype=torch.int16)
+            decoder = self.model.decoders[d.batch]
+            out = self._device_call(f"decode of {len(d.seqs)} rows (batch {d.batch})",
+                                    lambda: decoder(input_ids=ids, cache_position=pos, block_tables=tbl).logits)
+            out = out.reshape(d.batch, -1)[: len(d.seqs)].float().numpy()
+            rows.extend(out)
+            self.stats["decodes"] += 1
+            self.stats["padded_rows"] += d.batch - len(d.seqs)
+            if (len(d.seqs), d.batch) not in self._seen_layouts:
+                self._seen_layouts.add((len(d.seqs), d.batch))
+                logger.info("RBLN decode: %d rows on the batch-%d decoder (%d padding rows)",
+                            len(d.seqs), d.batch, d.batch - len(d.seqs))
+        return np.stack(rows) if rows else np.zeros((0, 1), np.float32)

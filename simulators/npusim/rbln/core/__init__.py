@@ -1,0 +1,1 @@
+"""``rebel.core``: the torch.compile backend of vllm-rbln's ``vllm`` model path."""

@@ -1,0 +1,149 @@
+"""The ``torch.ops.rbln_custom_ops`` operators the decoder path of optimum-rbln calls.
+
+Registered (with fake kernels, so ``torch.export`` traces through them) on import of
+:mod:`npusim.rbln`:
+
+* ``linear(input, weight, bias=None)``: ``input @ weight.T + bias``. optimum-rbln swaps
+  ``torch.nn.functional.linear`` for it during a compile.
+* ``paged_causal_attn_{prefill,decode}`` and ``paged_flash_causal_attn_{prefill,decode}``
+  (``partition`` added), and the masked ``paged_attn_*``/``paged_flash_attn_*``: write the new
+  keys/values into the paged KV cache and attend over it. ``kcache``/``vcache`` are mutated in
+  place (declared in the schema).
+
+Shapes (``Hkv`` KV heads, ``R`` query heads per KV head, ``D`` head size, ``BS`` block size)::
+
+    q        [B, Hkv, R, Q, D]         B = 1 for prefill, Q = 1 for decode
+    k, v     [B, Hkv, 1, Q, D]
+    kcache   [NB, Hkv, 1, BS, D]       vcache alike
+    seq      [B, 1] int32              position of the first query token of each row
+    block_table  [n] (prefill) or [B, n] (decode), integer block ids in position order
+    mask     optional {0,1}, broadcastable to [B, 1, 1, Q, n*BS]
+    returns  [B, Hkv, R, Q, D]
+
+Query token ``t`` of row ``b`` sits at position ``seq[b] + t``; without a mask it sees cache
+positions ``0 .. seq[b] + t`` (``is_bidirectional``: ``0 .. seq[b] + Q - 1``). Positions beyond
+the row's block table are not written (the zero padding of a last prefill chunk past the
+sequence's capacity). A block id outside ``0 .. NB-1`` is an error naming it, where the device
+would read or write another sequence's memory.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .errors import RBLNInputError
+
+__all__ = ["OPS", "paged_attention"]
+
+_linear = torch._C._nn.linear  # the original: optimum-rbln rebinds F.linear to our op
+
+
+@torch.library.custom_op("rbln_custom_ops::linear", mutates_args=())
+def linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    return _linear(input, weight, bias)
+
+
+@linear.register_fake
+def _(input, weight, bias=None):
+    return input.new_empty((*input.shape[:-1], weight.shape[0]))
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kcache: torch.Tensor,
+                    vcache: torch.Tensor, seq: torch.Tensor, scale: torch.Tensor,
+                    block_table: torch.Tensor, block_size: int, *, mask: torch.Tensor | None,
+                    bidirectional: bool, op: str) -> torch.Tensor:
+    """The reference computation of every paged attention op (see the module docstring).
+
+    Raises:
+        RBLNInputError: shapes that do not line up, or a block id outside the cache.
+    """
+    B, hkv, r, nq, d = q.shape
+    nb, chkv, _, bs, cd = kcache.shape
+    if (chkv, cd, bs) != (hkv, d, block_size) or k.shape != (B, hkv, 1, nq, d) or vcache.shape != kcache.shape:
+        raise RBLNInputError(
+            f"{op}: shapes do not line up: q {tuple(q.shape)}, k {tuple(k.shape)}, kcache "
+            f"{tuple(kcache.shape)}, block_size {block_size}")
+    tables = block_table.reshape(1, -1) if block_table.dim() == 1 else block_table
+    if tables.shape[0] != B:
+        raise RBLNInputError(f"{op}: block_table has {tables.shape[0]} rows for a batch of {B}")
+    tables = tables.to(torch.int64)
+    bad = tables[(tables < 0) | (tables >= nb)]
+    if bad.numel():
+        raise RBLNInputError(
+            f"{op}: block_table holds block id {int(bad[0])}, outside the KV cache's {nb} blocks")
+    starts = seq.reshape(B, -1)[:, 0].to(torch.int64)
+    capacity = tables.shape[1] * bs
+    out = torch.empty_like(q)
+    for b in range(B):
+        start = int(starts[b])
+        blocks = tables[b]
+        pos = torch.arange(start, start + nq)
+        keep = pos < capacity
+        wpos = pos[keep]
+        if wpos.numel():
+            bid, off = blocks[wpos // bs], wpos % bs
+            kcache[bid, :, 0, off, :] = k[b, :, 0, : wpos.numel(), :].permute(1, 0, 2).to(kcache.dtype)
+            vcache[bid, :, 0, off, :] = v[b, :, 0, : wpos.numel(), :].permute(1, 0, 2).to(vcache.dtype)
+        length = min(start + nq, capacity)
+        keys = kcache[blocks, :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :length]
+        vals = vcache[blocks, :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :length]
+        qb = q[b].to(torch.float32)                               # [Hkv, R, Q, D]
+        scores = torch.einsum("hrqd,hld->hrql", qb, keys.to(torch.float32)) * scale.to(torch.float32)
+        kpos = torch.arange(length)
+        if mask is not None:
+            m = mask[b if mask.shape[0] > 1 else 0].reshape(-1, mask.shape[-1])[-nq:, :length]
+            allowed = m.to(torch.bool).reshape(1, 1, nq, length)
+        elif bidirectional:
+            allowed = (kpos < start + nq).reshape(1, 1, 1, length).expand(1, 1, nq, length)
+        else:
+            allowed = (kpos.reshape(1, -1) <= pos.reshape(-1, 1)).reshape(1, 1, nq, length)
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        out[b] = torch.einsum("hrql,hld->hrqd", probs, vals.to(torch.float32)).to(q.dtype)
+    return out
+
+
+def _define(name: str, *, flash: bool, masked: bool, prefill: bool) -> None:
+    mutated = ("kcache", "vcache")
+
+    def body(q, k, v, kcache, vcache, seq, scale, block_table, block_size, mask, is_bidirectional):
+        return paged_attention(q, k, v, kcache, vcache, seq, scale, block_table, block_size,
+                               mask=mask, bidirectional=bool(is_bidirectional), op=name)
+
+    if flash:
+        @torch.library.custom_op(f"rbln_custom_ops::{name}", mutates_args=mutated)
+        def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kcache: torch.Tensor,
+               vcache: torch.Tensor, seq: torch.Tensor, scale: torch.Tensor,
+               block_table: torch.Tensor, block_size: int, partition: int,
+               mask: Optional[torch.Tensor] = None, is_bidirectional: bool = False,
+               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+               s_aux: Optional[torch.Tensor] = None) -> torch.Tensor:
+            if partition % block_size and block_size % partition:
+                raise RBLNInputError(f"{name}: partition {partition} and block_size {block_size} "
+                                     "must divide one another")
+            return body(q, k, v, kcache, vcache, seq, scale, block_table, block_size, mask, is_bidirectional)
+    else:
+        @torch.library.custom_op(f"rbln_custom_ops::{name}", mutates_args=mutated)
+        def op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kcache: torch.Tensor,
+               vcache: torch.Tensor, seq: torch.Tensor, scale: torch.Tensor,
+               block_table: torch.Tensor, block_size: int,
+               mask: Optional[torch.Tensor] = None, is_bidirectional: bool = False,
+               k_scale: Optional[torch.Tensor] = None, v_scale: Optional[torch.Tensor] = None,
+               s_aux: Optional[torch.Tensor] = None) -> torch.Tensor:
+            return body(q, k, v, kcache, vcache, seq, scale, block_table, block_size, mask, is_bidirectional)
+
+    @op.register_fake
+    def _(q, *args, **kwargs):
+        return torch.empty_like(q)
+
+    OPS[name] = op
+
+
+OPS: dict[str, object] = {"linear": linear}
+for _flash in (False, True):
+    for _masked in (False, True):
+        for _phase in ("prefill", "decode"):
+            _name = ("paged_flash_" if _flash else "paged_") + ("attn_" if _masked else "causal_attn_") + _phase
+            _define(_name, flash=_flash, masked=_masked, prefill=_phase == "prefill")

@@ -1,0 +1,132 @@
+"""``NPU_HARNESS_TARGET=rbln-sim vllm serve <tiny model>`` with the RBLN plugin's ``transformers``
+(optimum) model path, tested with the ``openai`` client against the real server.
+
+The servers compile at engine start with the vendor's optimum-rbln on ``npusim.rbln`` (one
+server per model, per module). Greedy outputs must equal the golden decoder (``npusim.llm``).
+
+* llama, flash attention: ``--max-model-len 2048 --block-size 1024`` (two KV partitions per
+  sequence, automatic KV blocks), prompts that cross the partition boundary, chat, streaming,
+  a refused parameter;
+* qwen3, eager attention (``--block-size`` = ``--max-model-len``): completions.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+
+from npu_conformance import vllm_server as vs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def _start(model, args, tmp_path_factory, name):
+    work = tmp_path_factory.mktemp(name)
+    env = vs.vllm_env("rbln-sim", VLLM_CACHE_ROOT=str(work / "cache"))
+    try:
+        return vs.start(model, args, env=env, log=work / "serve.log")
+    except vs.ServerError as exc:
+        pytest.fail(str(exc))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    from npusim import tinymodel
+
+    return tinymodel.build("llama", tmp_path_factory.mktemp("llama") / "m", head_dim=64,
+                           max_position_embeddings=2048)
+
+
+@pytest.fixture(scope="module")
+def llama_server(llama_dir, tmp_path_factory):
+    srv = _start(llama_dir, ["--max-model-len", "2048", "--block-size", "1024", "--max-num-seqs", "2"],
+                 tmp_path_factory, "rbln-llama")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def llama_golden(llama_dir):
+    from npusim.llm import Decoder
+
+    return Decoder.from_pretrained(llama_dir)
+
+
+@pytest.fixture(scope="module")
+def client(llama_server):
+    return openai.OpenAI(base_url=llama_server.base + "/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def _prompt(n, seed):
+    return np.random.default_rng(seed).integers(10, 1000, size=n).tolist()
+
+
+def _extra(obj, name):
+    """A vLLM extension field of an openai response object."""
+    value = getattr(obj, name, None)
+    if value is None and getattr(obj, "model_extra", None):
+        value = obj.model_extra.get(name)
+    return value
+
+
+def test_flash_attention_completions_equal_golden(client, llama_server, llama_golden):
+    for prompt in (_prompt(7, 1), _prompt(1030, 2)):  # the second crosses the 1024 partition
+        res = client.completions.create(model=llama_server.model, prompt=prompt, max_tokens=12,
+                                        temperature=0, extra_body={"return_token_ids": True, "ignore_eos": True})
+        got = _extra(res.choices[0], "token_ids")
+        assert got == llama_golden.generate_greedy(prompt, 12)
+    log = llama_server.log_text()
+    assert "attention flash_attn" in log and "KV blocks of 1024 tokens" in log
+
+
+def test_chat_equals_golden_over_the_templated_prompt(client, llama_server, llama_golden):
+    res = client.chat.completions.create(model=llama_server.model, max_tokens=10, temperature=0,
+                                         messages=[{"role": "user", "content": "Name three colours."}],
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt_ids = _extra(res, "prompt_token_ids")
+    got = _extra(res.choices[0], "token_ids")
+    assert prompt_ids and got == llama_golden.generate_greedy(prompt_ids, 10)
+
+
+def test_streamed_completion_equals_unstreamed(client, llama_server):
+    prompt = _prompt(40, 3)
+    whole = client.completions.create(model=llama_server.model, prompt=prompt, max_tokens=16, temperature=0)
+    parts = client.completions.create(model=llama_server.model, prompt=prompt, max_tokens=16, temperature=0,
+                                      stream=True)
+    text = "".join(c.choices[0].text for c in parts if c.choices)
+    assert text == whole.choices[0].text
+
+
+def test_refused_parameter_is_a_400_naming_it(client, llama_server):
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=llama_server.model, prompt="hi", max_tokens=4, temperature=0.8,
+                                  extra_body={"min_p": 0.1})
+    assert "min_p" in str(info.value)
+    assert client.completions.create(model=llama_server.model, prompt="hi", max_tokens=2).choices
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from npusim import tinymodel
+    from npusim.llm import Decoder
+
+    d = tinymodel.build("qwen3", tmp_path_factory.mktemp("qwen3") / "m", head_dim=64)
+    srv = _start(d, ["--max-model-len", "512", "--block-size", "512", "--max-num-seqs", "2",
+                     "--rbln-optimum-overrides", json.dumps({"decoder_batch_sizes": [2, 1]})],
+                 tmp_path_factory, "rbln-qwen3")
+    yield srv, Decoder.from_pretrained(d)
+    srv.stop()
+
+
+def test_qwen3_eager_completions_equal_golden(qwen3):
+    srv, golden = qwen3
+    c = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=300)
+    for prompt in (_prompt(5, 4), _prompt(300, 5)):
+        res = c.completions.create(model=srv.model, prompt=prompt, max_tokens=10, temperature=0,
+                                   extra_body={"return_token_ids": True, "ignore_eos": True})
+        assert _extra(res.choices[0], "token_ids") == golden.generate_greedy(prompt, 10)
+    assert "attention eager" in srv.log_text()
