@@ -24,13 +24,20 @@ NEW = 10
 
 @pytest.fixture(scope="module")
 def rebel():
+    """``import rebel`` on the simulator for this module only: the alias and the ``rebel``
+    entries of ``sys.modules`` are removed afterwards, so later tests see no ``rebel``."""
+    import sys
+
     from npusim import alias
 
     alias.activate("rebel")
     import rebel as mod
 
     assert mod.SIMULATOR.startswith("npusim.rbln"), "the alias must resolve to the simulator"
-    return mod
+    yield mod
+    alias.deactivate("rebel")
+    for name in [n for n in sys.modules if n == "rebel" or n.startswith("rebel.")]:
+        del sys.modules[name]
 
 
 def _compile(rebel, src: Path, out: Path, cls_name: str, **rbln_config):
@@ -222,3 +229,39 @@ def test_device_discovery_from_the_forced_npu_name(rebel, monkeypatch):
     monkeypatch.setenv("NPUSIM_RBLN", json.dumps({"devices": ["GPU-0"]}))
     with pytest.raises(rebel.RBLNDeviceError, match="unknown NPU name 'GPU-0'"):
         rebel.get_npu_name()
+
+
+def test_prefix_start_off_the_chunk_grid_is_refused_by_optimum(compiled):
+    model, _ = compiled("llama", batch_size=1, max_seq_len=2048, kvcache_partition_len=1024,
+                        attn_impl="flash_attn")
+    ids = torch.tensor([list(range(10, 110))])
+    with pytest.raises(Exception, match=r"Prefix Caching is not supported yet for non-multiple of prefill_chunk_size\."):
+        model.prefill_decoder(input_ids=ids, cache_position=torch.arange(64, 164, dtype=torch.int32).unsqueeze(0),
+                              block_tables=torch.tensor([0, 1], dtype=torch.int16))
+
+
+def test_kv_block_copy_reuses_a_prefix_exactly(compiled, golden_decoder):
+    """The worker's prefix reuse on the device: prefill a prompt into block 0, copy its first
+    128 slots to block 1 with ``_copy_kv_cache``, then prefill only the rest of a second
+    prompt sharing those 128 tokens into block 1: its logits equal the golden decoder's."""
+    import numpy as np
+
+    model, _ = compiled("llama", batch_size=1, max_seq_len=2048, kvcache_partition_len=1024,
+                        attn_impl="flash_attn")
+    rng = np.random.default_rng(3)
+    shared, tail = rng.integers(10, 1000, 128).tolist(), rng.integers(10, 1000, 30).tolist()
+    first = shared + rng.integers(10, 1000, 40).tolist()
+    model.prefill_decoder(input_ids=torch.tensor([first]),
+                          cache_position=torch.arange(len(first), dtype=torch.int32).unsqueeze(0),
+                          block_tables=torch.tensor([0, 0], dtype=torch.int16))
+    runtime = model.model[0]
+    runtime._copy_kv_cache(0, 1, 128)
+    second = shared + tail
+    out = model.prefill_decoder(input_ids=torch.tensor([tail]),
+                                cache_position=torch.arange(128, len(second), dtype=torch.int32).unsqueeze(0),
+                                block_tables=torch.tensor([1, 1], dtype=torch.int16)).logits
+    golden = golden_decoder("llama")
+    want = golden.generate_greedy(second, 1)
+    assert int(out.reshape(-1, out.shape[-1])[-1].argmax()) == want[0]
+    with pytest.raises(Exception, match=r"_copy_kv_cache\(0, 9, 4\): past_key_values_\d has 2 blocks"):
+        runtime._copy_kv_cache(0, 9, 4)

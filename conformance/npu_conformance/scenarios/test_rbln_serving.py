@@ -16,6 +16,9 @@ processes or vLLM's own ``EngineArgs.create_engine_config`` with the RBLN platfo
 * ``decode_buckets_and_padding``: concurrent requests run on the smallest compiled decoder
   that fits, padded, with outputs equal to the golden decoder.
 * ``chunked_long_prompt``: a prompt of several prefill chunks equals the golden decoder.
+* ``prefix_reuse``: a prompt sharing 256 tokens with a finished request takes over its KV block
+  in place; one sharing them with a request still running gets them with the runtime's KV
+  block copy; both equal the golden decoder (the reused start is a multiple of the chunk).
 * ``compiled_dir_served``: a directory compiled ahead of time (optimum-rbln's own export) is
   served without compiling, with the scheduler taken from its ``rbln_config.json``.
 """
@@ -235,3 +238,37 @@ def test_compiled_dir_served(target, record, device_labs):
         if want is not None:
             assert g == want
     record.figure("requests", len(prompts))
+
+
+def test_prefix_reuse(target, record, device_labs):
+    lab = device_labs(target.name)
+    server = lab.serving_server()
+    base = _prompts(1, 300, seed=17)[0]
+    tails = _prompts(3, 44, seed=18)
+    first = base
+    second = base[:256] + tails[0]
+    third = base[:256] + tails[1]
+    before = server.log_text()
+    got1 = _ids(server, first, 8)            # fills a block, then finishes
+    got2 = _ids(server, second, 8)           # the finished block is taken over in place
+    # the third arrives while a request holding the same prefix is still decoding: a copy
+    body = {"model": server.model, "prompt": first, "max_tokens": 48, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True}
+    stream = vs.stream_lines(server, "/v1/completions", body)
+    streamed = list(next(stream)["choices"][0].get("token_ids") or [])
+    got3 = _ids(server, third, 8)
+    for event in stream:
+        for choice in event.get("choices", []):
+            streamed.extend(choice.get("token_ids") or [])
+    log = server.log_text()[len(before):]
+    for prompt, got in ((first, got1), (second, got2), (third, got3)):
+        want = _golden(lab, prompt, 8)
+        if want is not None:
+            assert got == want
+    if lab.golden() is not None:
+        assert streamed == _golden(lab, first, 48)
+    reuses = [(int(a), int(b), int(c)) for a, b, c in
+              re.findall(r"RBLN prefix cache: req \S+ reuses (\d+) of (\d+) tokens \((\d+) block\(s\) copied\)", log)]
+    assert (256, 300, 0) in reuses, f"no in-place reuse of 256 tokens logged: {reuses}"
+    assert (256, 300, 1) in reuses, f"no copied reuse of 256 tokens logged: {reuses}"
+    record.figure("reused_tokens", sum(r[0] for r in reuses))

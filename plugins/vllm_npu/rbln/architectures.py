@@ -188,6 +188,17 @@ OPTIMUM_REGISTRY: Mapping[str, str] = MappingProxyType(
 ARCH_ALIASES: Mapping[str, str] = MappingProxyType({"gpt-oss": "GptOssForCausalLM"})
 
 
+_CATEGORY_OF: Mapping[str, str] = MappingProxyType({
+    **{a: "decoder-only" for a in _GENERATION}, **{a: "encoder-decoder" for a in _ENC_DEC},
+    **{a: "multimodal" for a in _MULTIMODAL}, **{a: "pooling" for a in _POOLING}})
+
+
+def optimum_category(arch: str) -> str | None:
+    """The registry category of ``arch`` (``decoder-only``, ``encoder-decoder``,
+    ``multimodal``, ``pooling``), None when the registry does not have it."""
+    return _CATEGORY_OF.get(ARCH_ALIASES.get(arch, arch))
+
+
 def optimum_class_for(arch: str) -> str | None:
     """The optimum-rbln class name that runs HF architecture ``arch`` (or an
     :data:`ARCH_ALIASES` name), or None when optimum-rbln has no implementation of it.

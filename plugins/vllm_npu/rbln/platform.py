@@ -36,6 +36,22 @@ VLLM_PATH_PENDING = (
     "transformers with an architecture optimum-rbln implements")
 
 
+def _refuse_unbuilt(arch: str, category: str | None) -> None:
+    """The optimum path here serves decoder-only generation models.
+
+    Raises:
+        NotImplementedError: Whisper (encoder-decoder; the seed's ``audio`` extra and
+            ``/v1/audio/transcriptions``), multimodal and pooling architectures, naming the
+            issue.
+    """
+    if category in (None, "decoder-only"):
+        return
+    what = {"encoder-decoder": "Whisper speech recognition (encoder-decoder, the `audio` extra)",
+            "multimodal": "multimodal models", "pooling": "pooling (embedding/reranker) models"}[category]
+    raise NotImplementedError(f"{arch}: {what} on the RBLN optimum path are not built yet (issue 16); "
+                              "decoder-only generation models are")
+
+
 class RblnConfigError(ValueError):
     """The vLLM settings cannot run on this RBLN configuration (names the value and rule)."""
 
@@ -94,9 +110,12 @@ class RblnPlatform(NpuPlatform):
         mc, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
         flag, user_tokens = engine_args.captured()
         extra = vllm_config.additional_config
+        if isinstance(extra, dict) and isinstance(extra.get(PLAN_KEY), dict):
+            # Configured already (the API server's config, passed on to the engine process):
+            # the plan and the settings it made stand; configuring again would read them back
+            # as the user's (the KV block becomes the prefix-cache sub-block).
+            return
         extra = dict(extra) if isinstance(extra, dict) else extra
-        if isinstance(extra, dict):
-            extra.pop(PLAN_KEY, None)
         res = model_impl.resolve_model_impl(flag, extra, os.environ, mc.model)
         logger.info("RBLN model path: %s (%s)", res.impl, res.log)
         rebel = import_rebel()
@@ -118,6 +137,10 @@ class RblnPlatform(NpuPlatform):
             raise RblnConfigError("pipeline_parallel_size must be 1 on the optimum model path")
         if vllm_config.speculative_config is not None:
             raise RblnConfigError("speculative decoding is not supported on the optimum model path")
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise NotImplementedError(
+                "KV cache offloading and disaggregated prefill/decode (vllm-rbln's kv_connectors "
+                "extra: nixl-rbln, lmcache-rbln) are not built in the RBLN plugin (issue 16)")
 
         user_block = cache.block_size if cache.user_specified_block_size else None
         compiled = mc.model if model_impl.is_compiled_dir(mc.model) else None
@@ -167,16 +190,29 @@ class RblnPlatform(NpuPlatform):
             archs = list(getattr(mc.hf_config, "architectures", None) or [])
             arch = architectures.require_supported(archs)
             model_class = architectures.optimum_class_for(arch)
+            _refuse_unbuilt(arch, architectures.optimum_category(arch))
             max_num_seqs, block, chunk = int(sched.max_num_seqs), int(user_block), int(compile_cfg["prefill_chunk_size"])
             cached_target = cached
         if user_tokens is not None and compiled is None and user_tokens != chunk:
             raise cp.CompilePlanError(
                 f"--max-num-batched-tokens {user_tokens} must equal the prefill chunk {chunk} of "
                 f"{name} (one prefill chunk per step on the optimum path)")
-        cache.block_size = block
+        prefix = None
         if cache.enable_prefix_caching:
-            logger.info("RBLN optimum path: prefix caching off (the KV block copy is not wired yet, issue 16)")
-        cache.enable_prefix_caching = False
+            sub = opts.sub_block_size or chunk
+            if block % sub or sub % chunk and not (name and device.is_cr13(name)):
+                raise RblnConfigError(
+                    f"sub_block_size {sub} must divide the KV block {block} and be a multiple of the "
+                    f"prefill chunk {chunk}: a sub_block_size below max_num_batched_tokens needs the "
+                    f"multi-block store that only REBEL CR13 carries; this is {name}")
+            prefix = {"sub_block_size": sub}
+            cache.block_size = sub
+            if compiled is not None:
+                cache.num_gpu_blocks_override = (splan.num_gpu_blocks - 1) * (block // sub) + 1
+            logger.info("RBLN prefix caching: hits of %d tokens, device KV blocks of %d; reused "
+                        "prefixes are copied with the runtime's KV block copy", sub, block)
+        else:
+            cache.block_size = block
         sched.max_num_seqs = max_num_seqs
         sched.enable_chunked_prefill = True
         sched.max_num_batched_tokens = max(chunk, max_num_seqs)
@@ -191,6 +227,8 @@ class RblnPlatform(NpuPlatform):
             "rbln_config": compile_cfg or {},
             "runtime_config": {k: v for k, v in (opts.optimum_overrides or {}).items() if k == "device"},
             "npu": name,
+            "attn_block_size": block,
+            "prefix": prefix,
         }
         resolved = {k: v for k, v in vars(opts).items() if v is not None}
         vllm_config.additional_config = {**resolved, PLAN_KEY: plan}

@@ -27,7 +27,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SequenceStateError", "Seq", "Prefill", "Decode", "StepPlan", "SequenceTable", "select_bucket"]
+__all__ = ["SequenceStateError", "Seq", "Prefill", "Decode", "StepPlan", "SequenceTable", "PrefixBlocks",
+           "select_bucket"]
 
 
 class SequenceStateError(RuntimeError):
@@ -58,6 +59,7 @@ class Seq:
     output_ids: list[int] = field(default_factory=list)
     scheduled_end: int = 0      # tokens vLLM has scheduled so far
     device_len: int = 0         # tokens whose KV is on the device
+    phys: list[int] | None = None  # prefix mode: the device blocks the table gave it
 
     @property
     def all_ids(self) -> list[int]:
@@ -65,6 +67,8 @@ class Seq:
 
     def device_blocks(self, width: int) -> list[int]:
         """The device block table, ``width`` entries (unused entries are block 0)."""
+        if self.phys is not None:
+            return self.phys + [0] * (width - len(self.phys))
         phys = [b - 1 for b in self.blocks]
         if any(b < 0 for b in phys):
             raise SequenceStateError(f"req_id={self.req_id}: vLLM gave the null block 0 as a KV block")
@@ -76,11 +80,15 @@ class Seq:
 
 @dataclass(frozen=True)
 class Prefill:
-    """Run the prefill program on ``ids`` from position 0 into ``table``."""
+    """Run the prefill program on ``ids[start:]`` at positions ``start ..`` into ``table``,
+    after copying ``copies`` (``(src_block, dst_block, slots)``: the reused prefix
+    ``ids[:start]``, prefix mode only; ``start`` is a multiple of the prefill chunk)."""
 
     seq: Seq
     ids: list[int]
     table: list[int]
+    start: int = 0
+    copies: tuple[tuple[int, int, int], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -124,12 +132,16 @@ class SequenceTable:
     """
 
     def __init__(self, num_device_blocks: int, block_size: int, max_seq_len: int,
-                 decoder_buckets: Iterable[int]) -> None:
+                 decoder_buckets: Iterable[int], prefix_chunk: int | None = None) -> None:
         self.num_device_blocks = int(num_device_blocks)
         self.block_size = int(block_size)
         self.width = int(max_seq_len) // int(block_size)
         self.buckets = sorted(set(int(b) for b in decoder_buckets))
         self.seqs: dict[str, Seq] = {}
+        #: Prefix mode (``prefix_chunk`` = the granularity a reused prefix is rounded down to):
+        #: the table gives out device blocks itself and remembers what each holds.
+        self.prefix = PrefixBlocks(self.num_device_blocks, self.block_size, int(prefix_chunk)) \
+            if prefix_chunk else None
 
     # ------------------------------------------------------------------ scheduler events
 
@@ -141,11 +153,14 @@ class SequenceTable:
             SequenceStateError: vLLM says part of it is already computed (a prefix-cache hit,
                 which this worker does not take: prefix caching is off on this path).
         """
-        if num_computed_tokens:
+        if num_computed_tokens and self.prefix is None:
             raise SequenceStateError(
                 f"req_id={req_id}: starts with {num_computed_tokens} computed tokens, but prefix "
                 "caching is off on the RBLN optimum path")
         seq = Seq(req_id, list(prompt_ids), params, generator, list(block_ids))
+        if self.prefix is not None:
+            seq.phys = []
+        seq.scheduled_end = int(num_computed_tokens)  # prefix mode: vLLM's own hit, advisory
         self.seqs[req_id] = seq
         return seq
 
@@ -156,6 +171,8 @@ class SequenceTable:
         if resumed:
             seq.blocks = list(new_block_ids or [])
             seq.device_len = 0  # its blocks were freed: the device KV is gone
+            if self.prefix is not None:
+                self.prefix.release(seq)
             if all_token_ids is not None:
                 seq.output_ids = list(all_token_ids[len(seq.prompt_ids):])
         elif new_block_ids:
@@ -164,11 +181,15 @@ class SequenceTable:
         return seq
 
     def finish(self, req_id: str) -> None:
-        self.seqs.pop(req_id, None)
+        seq = self.seqs.pop(req_id, None)
+        if seq is not None and self.prefix is not None:
+            self.prefix.release(seq, keep=True)  # its blocks stay readable as a cached prefix
 
     def preempt(self, req_id: str) -> None:
         seq = self.seqs.get(req_id)
         if seq is not None:
+            if self.prefix is not None:
+                self.prefix.release(seq)
             seq.device_len = 0
             seq.blocks = []
 
@@ -195,18 +216,27 @@ class SequenceTable:
             if end != total:
                 raise SequenceStateError(f"req_id={rid}: scheduled up to {end}, but it has {total} tokens")
             if seq.device_len == end - 1 and seq.device_len > 0:
+                if self.prefix is not None:
+                    self.prefix.grow(seq, end)
                 decodes.append(seq)
             else:
                 if seq.device_len:
                     raise SequenceStateError(
                         f"req_id={rid}: the device holds {seq.device_len} tokens, the step needs "
                         f"{end - 1}: a prefill restarts from position 0 only")
-                prefills.append(Prefill(seq, seq.all_ids[:end], self._table(seq)))
+                if self.prefix is not None:
+                    start, copies = self.prefix.place(seq, seq.all_ids[:end], self.seqs.values())
+                    prefills.append(Prefill(seq, seq.all_ids[:end], self._table(seq), start, copies))
+                else:
+                    prefills.append(Prefill(seq, seq.all_ids[:end], self._table(seq)))
         done = {p.seq.req_id for p in prefills}
         return StepPlan(tuple(prefills), self._decode(decodes, done) if decodes else None)
 
     def _table(self, seq: Seq) -> list[int]:
         return seq.device_blocks(self.width)
+
+    def _nblocks(self, seq: Seq) -> int:
+        return len(seq.phys) if seq.phys is not None else len(seq.blocks)
 
     def _padding_slot(self, decoding: list[Seq], prefilled: set[str]) -> tuple[list[int], int]:
         """A (block table, position) a padding row may write without touching any token a
@@ -222,24 +252,28 @@ class SequenceTable:
             SequenceStateError: none exists (every block held, every sequence at the end of its
                 blocks once this step ran).
         """
-        used = {b - 1 for s in self.seqs.values() for b in s.blocks}
-        spare = next((b for b in range(self.num_device_blocks) if b not in used), None)
+        if self.prefix is not None:
+            used = {b for s in self.seqs.values() for b in (s.phys or ())}
+            spare = self.prefix.spare(used)
+        else:
+            used = {b - 1 for s in self.seqs.values() for b in s.blocks}
+            spare = next((b for b in range(self.num_device_blocks) if b not in used), None)
         if spare is not None:
             return [spare] + [0] * (self.width - 1), 0
         rows = {s.req_id for s in decoding}
         for s in self.seqs.values():
-            if s.blocks and s.device_len == 0 and s.req_id not in rows and s.req_id not in prefilled:
+            if self._nblocks(s) and s.device_len == 0 and s.req_id not in rows and s.req_id not in prefilled:
                 return self._table(s), 0
         for s in decoding:
             nxt = s.device_len + 1
-            if nxt < len(s.blocks) * self.block_size:
+            if nxt < self._nblocks(s) * self.block_size:
                 return self._table(s), nxt
         for s in self.seqs.values():
-            if not s.blocks or s.req_id in rows:
+            if not self._nblocks(s) or s.req_id in rows:
                 continue
             # A prefill of this step runs before the decode and fills [0, len(all_ids)).
             nxt = len(s.all_ids) if s.req_id in prefilled else s.device_len
-            if nxt < len(s.blocks) * self.block_size:
+            if nxt < self._nblocks(s) * self.block_size:
                 return self._table(s), nxt
         raise SequenceStateError(
             f"no KV slot to pad a decode of {len(decoding)} rows: all {self.num_device_blocks} "
@@ -262,6 +296,152 @@ class SequenceTable:
         """Record that ``plan`` ran: every prefilled and decoded token is on the device."""
         for p in plan.prefills:
             p.seq.device_len = len(p.ids)
+            if self.prefix is not None:
+                self.prefix.wrote(p.seq)
         if plan.decode is not None:
             for s in plan.decode.seqs:
                 s.device_len += 1
+                if self.prefix is not None:
+                    self.prefix.wrote(s)
+
+
+class PrefixBlocks:
+    """Prefix mode of :class:`SequenceTable`: the device blocks, given out by the table, and the
+    token prefix each one holds, so a new prompt can start from KV already on the device.
+
+    vLLM's own prefix cache (blocks of ``sub_block_size`` tokens) only decides how many prompt
+    tokens vLLM schedules; which KV the device reuses is decided here, from what the blocks
+    verifiably hold, so a prefix vLLM believes cached but the device has overwritten is
+    recomputed, never read. A prompt reuses the longest prefix any block chain holds, rounded
+    down to ``chunk`` (the prefill program starts at chunk boundaries only) and leaving at least
+    one token to compute. Block ``j`` of the prompt is the holder's own block when that block
+    is free (taken over in place), else a fresh block the prefix is copied into with the
+    runtime's KV block copy. Free blocks are reused least recently freed first; a free block
+    keeps its content until it is given out again.
+
+    Args:
+        num_blocks: device KV blocks.
+        block_size: tokens per device block.
+        chunk: the reuse granularity in tokens (the prefill chunk).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, chunk: int) -> None:
+        self.block_size, self.chunk = int(block_size), int(chunk)
+        self.free: list[int] = list(range(int(num_blocks)))      # least recently freed first
+        self.holder: dict[int, tuple[int, Seq]] = {}             # block -> (index j, sequence)
+        #: A block taken over in place by a prefill planned but not yet run keeps its old
+        #: holder's tokens only below that prefill's start (block -> tokens): a later prefill of
+        #: the same step runs after it and must not copy what it overwrites.
+        self.limit: dict[int, int] = {}
+        self.reused_tokens = 0
+        self.copied_blocks = 0
+        self.adopted_blocks = 0
+
+    def _held(self, block: int) -> list[int]:
+        """The token prefix whose KV ``block`` holds (up to the end of its slots)."""
+        entry = self.holder.get(block)
+        if entry is None:
+            return []
+        j, seq = entry
+        n = min(seq.device_len, (j + 1) * self.block_size)
+        return seq.all_ids[:min(n, self.limit.get(block, n))]
+
+    def _take(self, prefer: int | None = None) -> int:
+        if prefer is not None and prefer in self.free:
+            self.free.remove(prefer)
+            return prefer
+        if not self.free:
+            raise SequenceStateError("no free device KV block: the scheduler admitted more than the "
+                                     "device holds")
+        return self.free.pop(0)
+
+    def release(self, seq: Seq, keep: bool = False) -> None:
+        """Return ``seq``'s blocks; with ``keep`` their content stays readable until reused."""
+        for b in seq.phys or ():
+            if not keep:
+                self.holder.pop(b, None)
+            self.free.append(b)
+        if seq.phys is not None:
+            seq.phys = []
+
+    def spare(self, used: set[int]) -> int | None:
+        """A free block a padding row may write (its cached content is dropped), the one
+        holding the least useful prefix first."""
+        for b in self.free:
+            if b not in self.holder:
+                return b
+        if self.free:
+            b = self.free[-1 if len(self.free) == 1 else 0]
+            self.holder.pop(b, None)
+            return b
+        return None
+
+    def grow(self, seq: Seq, end: int) -> None:
+        """Give ``seq`` blocks for positions ``< end``."""
+        assert seq.phys is not None
+        while len(seq.phys) * self.block_size < end:
+            b = self._take()
+            self.holder.pop(b, None)
+            seq.phys.append(b)
+
+    def place(self, seq: Seq, ids: list[int], others: Iterable[Seq]) -> tuple[int, tuple[tuple[int, int, int], ...]]:
+        """Blocks for a prefill of ``ids`` from the longest reusable prefix.
+
+        Returns:
+            ``(start, copies)`` for :class:`Prefill`.
+        """
+        assert seq.phys is not None and not seq.phys
+        bs = self.block_size
+        best_blocks: list[int] = []
+        reuse = 0
+        for j in range(-(-len(ids) // bs)):
+            want = ids[:min(len(ids), (j + 1) * bs)]
+            cand, got = None, j * bs
+            for b, (bj, _owner) in self.holder.items():
+                if bj != j:
+                    continue
+                held = self._held(b)
+                n = 0
+                for a, c in zip(held, want):
+                    if a != c:
+                        break
+                    n += 1
+                if n > got or (n == got and cand is not None and b in self.free and cand not in self.free):
+                    cand, got = b, n
+            if cand is None or got <= j * bs:
+                break
+            best_blocks.append(cand)
+            reuse = got
+            if got < (j + 1) * bs:
+                break
+        start = min(reuse, len(ids) - 1) // self.chunk * self.chunk
+        nblk = -(-len(ids) // bs)
+        srcs = [best_blocks[j] if j < len(best_blocks) and j * bs < start else None for j in range(nblk)]
+        # First take over the free holders, so no fresh block is one a copy still reads.
+        chosen: list[int | None] = []
+        for src in srcs:
+            if src is not None and src in self.free:
+                chosen.append(self._take(prefer=src))
+                self.limit[src] = start  # the prefill overwrites it from `start` on
+                self.adopted_blocks += 1
+            else:
+                chosen.append(None)
+        copies: list[tuple[int, int, int]] = []
+        for j, src in enumerate(srcs):
+            if chosen[j] is None:
+                b = self._take()
+                self.holder.pop(b, None)
+                chosen[j] = b
+                if src is not None:
+                    copies.append((src, b, min(bs, start - j * bs)))
+                    self.copied_blocks += 1
+        seq.phys.extend(int(b) for b in chosen)
+        self.reused_tokens += start
+        return start, tuple(copies)
+
+    def wrote(self, seq: Seq) -> None:
+        """``seq``'s blocks now hold its tokens ``[0, device_len)``."""
+        for j, b in enumerate(seq.phys or ()):
+            if j * self.block_size < seq.device_len:
+                self.holder[b] = (j, seq)
+                self.limit.pop(b, None)

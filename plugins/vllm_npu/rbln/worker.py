@@ -92,7 +92,8 @@ class RblnOptimumWorker(NpuWorker):
         self.sampler: HostSampler | None = None
         self._seen_layouts: set[tuple[int, int]] = set()
         self._logged_chunked = False
-        self.stats = {"steps": 0, "prefills": 0, "decodes": 0, "retries": 0, "padded_rows": 0}
+        self.stats = {"steps": 0, "prefills": 0, "decodes": 0, "retries": 0, "padded_rows": 0,
+                      "prefix_reused_tokens": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -131,7 +132,18 @@ class RblnOptimumWorker(NpuWorker):
                         time.perf_counter() - t0)
         self.spec = cp.CompiledModelSpec.from_dir(compiled if Path(compiled).exists() else str(tmp))
         blocks = self.spec.kvcache_num_blocks or self.spec.batch_size * (self.spec.max_seq_len // self.spec.block_size)
-        self.table = SequenceTable(blocks, self.spec.block_size, self.spec.max_seq_len, self.spec.decoder_batch_sizes)
+        prefix = self.plan.get("prefix")
+        self.vllm_block = int(prefix["sub_block_size"]) if prefix else self.spec.block_size
+        if prefix:
+            need = int(self.scheduler_config.max_num_seqs) * (self.spec.max_seq_len // self.spec.block_size)
+            if blocks < need:
+                raise RblnWorkerError(
+                    f"prefix caching gives each sequence its own device KV blocks: {need} are needed "
+                    f"for max_num_seqs {self.scheduler_config.max_num_seqs} at max_seq_len "
+                    f"{self.spec.max_seq_len}, the compiled model has {blocks}; pass "
+                    "--no-enable-prefix-caching or a smaller --max-num-seqs")
+        self.table = SequenceTable(blocks, self.spec.block_size, self.spec.max_seq_len, self.spec.decoder_batch_sizes,
+                                   prefix_chunk=self.spec.prefill_chunk_size if prefix else None)
         self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger)
         logger.info("RBLN model %s: %d KV blocks of %d tokens, max_seq_len %d, prefill chunk %d, "
                     "decoders %s, attention %s", self.spec.model_class, blocks, self.spec.block_size,
@@ -139,15 +151,16 @@ class RblnOptimumWorker(NpuWorker):
                     self.spec.attn_impl)
 
     def _num_blocks(self) -> int:
-        assert self.table is not None
-        return self.table.num_device_blocks + 1  # + vLLM's null block 0
+        assert self.table is not None and self.spec is not None
+        # + vLLM's null block 0; with prefix caching vLLM counts sub-blocks
+        return self.table.num_device_blocks * (self.spec.block_size // self.vllm_block) + 1
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
 
         assert self.spec is not None
         # The KV lives in the compiled runtime; vLLM only does the block accounting.
-        return {"rbln": MLAAttentionSpec(block_size=self.spec.block_size, num_kv_heads=1, head_size=1,
+        return {"rbln": MLAAttentionSpec(block_size=self.vllm_block, num_kv_heads=1, head_size=1,
                                          dtype=torch.int8)}
 
     def determine_available_memory(self) -> int:
@@ -159,8 +172,7 @@ class RblnOptimumWorker(NpuWorker):
                                   f"(+1 null), vLLM planned {num_gpu_blocks}")
 
     def get_cache_block_size_bytes(self) -> int:
-        assert self.spec is not None
-        return self.spec.block_size
+        return self.vllm_block
 
     def check_health(self) -> None:
         if self.model is None:
@@ -248,15 +260,22 @@ class RblnOptimumWorker(NpuWorker):
         """Run ``plan``; return the last-position logits of :meth:`StepPlan.sampled`, in order."""
         rows: list[np.ndarray] = []
         for p in plan.prefills:
-            ids = torch.tensor([p.ids], dtype=torch.int64)
-            pos = torch.arange(len(p.ids), dtype=torch.int32).unsqueeze(0)
+            if p.copies or p.start:
+                runtime = self.model.model[0]
+                for src, dst, slots in p.copies:
+                    runtime._copy_kv_cache(src, dst, slots)
+                logger.info("RBLN prefix cache: req %s reuses %d of %d tokens (%d block(s) copied)",
+                            p.seq.req_id, p.start, len(p.ids), len(p.copies))
+                self.stats["prefix_reused_tokens"] += p.start
+            ids = torch.tensor([p.ids[p.start:]], dtype=torch.int64)
+            pos = torch.arange(p.start, len(p.ids), dtype=torch.int32).unsqueeze(0)
             tbl = torch.tensor(p.table, dtype=torch.int16)
             out = self._device_call(f"prefill of {p.seq.req_id} ({len(p.ids)} tokens)",
                                     lambda: self.model.prefill_decoder(input_ids=ids, cache_position=pos,
                                                                        block_tables=tbl).logits)
             rows.append(out.reshape(-1, out.shape[-1])[-1].float().numpy())
             self.stats["prefills"] += 1
-            chunks = -(-len(p.ids) // self.spec.prefill_chunk_size)
+            chunks = -(-(len(p.ids) - p.start) // self.spec.prefill_chunk_size)
             if chunks > 1 and not self._logged_chunked:
                 self._logged_chunked = True
                 logger.info("RBLN prefill: %d tokens in %d chunks of %d", len(p.ids), chunks,

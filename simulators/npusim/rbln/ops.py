@@ -35,7 +35,7 @@ import torch
 
 from .errors import RBLNInputError
 
-__all__ = ["OPS", "paged_attention"]
+__all__ = ["OPS", "host_kernel", "paged_attention"]
 
 _linear = torch._C._nn.linear  # the original: optimum-rbln rebinds F.linear to our op
 
@@ -69,40 +69,54 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kcache: t
     if tables.shape[0] != B:
         raise RBLNInputError(f"{op}: block_table has {tables.shape[0]} rows for a batch of {B}")
     tables = tables.to(torch.int64)
-    bad = tables[(tables < 0) | (tables >= nb)]
-    if bad.numel():
+    lo, hi = int(tables.min()), int(tables.max())
+    if lo < 0 or hi >= nb:
         raise RBLNInputError(
-            f"{op}: block_table holds block id {int(bad[0])}, outside the KV cache's {nb} blocks")
+            f"{op}: block_table holds block id {lo if lo < 0 else hi}, outside the KV cache's {nb} blocks")
     starts = seq.reshape(B, -1)[:, 0].to(torch.int64)
     capacity = tables.shape[1] * bs
-    out = torch.empty_like(q)
-    for b in range(B):
-        start = int(starts[b])
-        blocks = tables[b]
-        pos = torch.arange(start, start + nq)
-        keep = pos < capacity
-        wpos = pos[keep]
-        if wpos.numel():
-            bid, off = blocks[wpos // bs], wpos % bs
-            kcache[bid, :, 0, off, :] = k[b, :, 0, : wpos.numel(), :].permute(1, 0, 2).to(kcache.dtype)
-            vcache[bid, :, 0, off, :] = v[b, :, 0, : wpos.numel(), :].permute(1, 0, 2).to(vcache.dtype)
-        length = min(start + nq, capacity)
-        keys = kcache[blocks, :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :length]
-        vals = vcache[blocks, :, 0].permute(1, 0, 2, 3).reshape(hkv, -1, d)[:, :length]
-        qb = q[b].to(torch.float32)                               # [Hkv, R, Q, D]
-        scores = torch.einsum("hrqd,hld->hrql", qb, keys.to(torch.float32)) * scale.to(torch.float32)
-        kpos = torch.arange(length)
-        if mask is not None:
-            m = mask[b if mask.shape[0] > 1 else 0].reshape(-1, mask.shape[-1])[-nq:, :length]
-            allowed = m.to(torch.bool).reshape(1, 1, nq, length)
-        elif bidirectional:
-            allowed = (kpos < start + nq).reshape(1, 1, 1, length).expand(1, 1, nq, length)
-        else:
-            allowed = (kpos.reshape(1, -1) <= pos.reshape(-1, 1)).reshape(1, 1, nq, length)
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-        out[b] = torch.einsum("hrql,hld->hrqd", probs, vals.to(torch.float32)).to(q.dtype)
-    return out
+    kflat, vflat = kcache.view(nb, hkv, bs, d), vcache.view(nb, hkv, bs, d)
+    # Write every row's new K/V (positions past the row's block table are dropped).
+    pos = starts.reshape(B, 1) + torch.arange(nq).reshape(1, nq)          # [B, Q]
+    last = int(pos.max())
+    if last < capacity:  # every position is inside its row's blocks (always, for a decode)
+        rows = torch.arange(B).repeat_interleave(nq)
+        cols = torch.arange(nq).repeat(B)
+    else:
+        rows, cols = (pos < capacity).nonzero(as_tuple=True)
+    if rows.numel():
+        p = pos[rows, cols]
+        bid, off = tables[rows, p // bs].reshape(-1, 1), (p % bs).reshape(-1, 1)
+        heads = torch.arange(hkv).reshape(1, -1)
+        kflat.index_put_((bid, heads, off), k[rows, :, 0, cols, :].to(kcache.dtype))
+        vflat.index_put_((bid, heads, off), v[rows, :, 0, cols, :].to(vcache.dtype))
+    # Attend over the first `length` positions of every row's blocks.
+    length = min(last + 1, capacity)
+    if length <= bs:
+        first = tables[:, 0]  # slice before gathering: only `length` slots are copied
+        keys = torch.index_select(kflat[:, :, :length], 0, first)
+        vals = torch.index_select(vflat[:, :, :length], 0, first)
+    else:
+        nblk = -(-length // bs)
+        keys = kflat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
+        vals = vflat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
+    f32 = torch.float32
+    qf = (q if q.dtype == f32 else q.to(f32)).reshape(B * hkv, r * nq, d)
+    kf = (keys if keys.dtype == f32 else keys.to(f32)).reshape(B * hkv, length, d)
+    vf = (vals if vals.dtype == f32 else vals.to(f32)).reshape(B * hkv, length, d)
+    scores = torch.bmm(qf, kf.transpose(1, 2)).view(B, hkv, r, nq, length) * scale.to(f32)
+    kpos = torch.arange(length)
+    if mask is not None:
+        m = mask.reshape(mask.shape[0], -1, mask.shape[-1])[:, -nq:, :length].to(torch.bool)
+        allowed = m.reshape(m.shape[0], 1, 1, nq, length)
+    elif bidirectional:
+        allowed = (kpos.reshape(1, 1, length) < (starts + nq).reshape(B, 1, 1)).reshape(B, 1, 1, 1, length)
+    else:
+        allowed = (kpos.reshape(1, 1, length) <= pos.reshape(B, nq, 1)).reshape(B, 1, 1, nq, length)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    out = torch.bmm(probs.view(B * hkv, r * nq, length), vf).view(B, hkv, r, nq, d)
+    return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
 def _define(name: str, *, flash: bool, masked: bool, prefill: bool) -> None:
@@ -139,8 +153,28 @@ def _define(name: str, *, flash: bool, masked: bool, prefill: bool) -> None:
         return torch.empty_like(q)
 
     OPS[name] = op
+    _SPECS[name] = flash
 
 
+def host_kernel(name: str):
+    """The host function that runs ``rbln_custom_ops.<name>`` when a runtime executes a program
+    (:func:`npusim.rbln.runtime.lower`), bypassing the dispatcher's custom-op wrappers: the
+    same computation as the registered op, called directly. None for an unknown name."""
+    if name == "linear":
+        return _linear
+    spec = _SPECS.get(name)
+    if spec is None:
+        return None
+
+    def kernel(q, k, v, kcache, vcache, seq, scale, block_table, block_size, partition=None,
+               mask=None, is_bidirectional=False, k_scale=None, v_scale=None, s_aux=None):
+        return paged_attention(q, k, v, kcache, vcache, seq, scale, block_table, block_size,
+                               mask=mask, bidirectional=bool(is_bidirectional), op=name)
+
+    return kernel
+
+
+_SPECS: dict[str, bool] = {}
 OPS: dict[str, object] = {"linear": linear}
 for _flash in (False, True):
     for _masked in (False, True):
