@@ -133,3 +133,49 @@ class NpuPlatform(Platform):
         """The device's part of :meth:`check_and_update_config` (scheduler and cache sizes
         from the artifact...); called only when a model is configured. Default: nothing."""
         return None
+
+
+def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: type[Exception],
+                     prompt_logprobs_reason: str = "") -> None:
+    """What a device worker with host sampling (:mod:`vllm_npu.host_sampling`) cannot honour,
+    refused in ``Platform.validate_request`` so that vLLM answers HTTP 400 naming it.
+
+    Args:
+        worker: the worker's name in messages (``MBLT worker``).
+        error: the device's request-error class (a ``VLLMValidationError`` subclass taking
+            ``parameter=``; anything else becomes an HTTP 500).
+        prompt_logprobs_reason: appended to the prompt-logprobs refusal (why).
+
+    Raises:
+        error: pooling requests, prompt embeddings, prompt logprobs, structured outputs,
+            ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or
+            ``logprob_token_ids`` (each named; ``parameter`` is the first).
+    """
+    from vllm.sampling_params import SamplingParams
+
+    if not isinstance(params, SamplingParams):
+        raise error(f"the {worker} serves text generation only (no pooling requests)")
+    if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+        raise error(f"the {worker} takes token prompts only: prompt_embeds is not supported",
+                    parameter="prompt_embeds")
+    refused: list[tuple[str, str]] = []  # (parameter, text)
+    if params.prompt_logprobs is not None:
+        refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}{prompt_logprobs_reason}"))
+    if params.structured_outputs is not None:
+        refused.append(("response_format", "structured outputs (response_format / guided decoding)"))
+    if params.min_p:
+        refused.append(("min_p", f"min_p={params.min_p}"))
+    if params.min_tokens:
+        refused.append(("min_tokens", f"min_tokens={params.min_tokens}"))
+    if params.logit_bias:
+        refused.append(("logit_bias", "logit_bias"))
+    if params.allowed_token_ids:
+        refused.append(("allowed_token_ids", "allowed_token_ids"))
+    if params.logprob_token_ids:
+        refused.append(("logprob_token_ids", "logprob_token_ids"))
+    if refused:
+        raise error(
+            f"the {worker} samples on the host with temperature, top_p, top_k, seed, "
+            "penalties, bad_words and logprobs only; refused: " + ", ".join(t for _p, t in refused),
+            parameter=refused[0][0],
+        )

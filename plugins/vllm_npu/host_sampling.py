@@ -139,3 +139,21 @@ class HostSampler:
         t = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
         out = self._sampler.forward(t, self.metadata(reqs), logprobs_mode_override="raw_logprobs")
         return out.sampled_token_ids.view(-1).tolist(), out.logprobs_tensors
+
+
+def scatter_logprobs(logprobs_tensors, rows: Sequence[int], num_reqs: int):
+    """vLLM's ``LogprobsLists`` for a step of ``num_reqs`` requests, from the sampler's
+    ``LogprobsTensors`` of the sampled ones: sampled row ``k`` is request ``rows[k]``; the
+    requests that sampled nothing get zero rows. None when there are no logprobs."""
+    if logprobs_tensors is None:
+        return None
+    from vllm.v1.outputs import LogprobsLists
+
+    lists = logprobs_tensors.tolists()
+    width = lists.logprobs.shape[1]
+    ids = np.zeros((num_reqs, width), lists.logprob_token_ids.dtype)
+    vals = np.zeros((num_reqs, width), lists.logprobs.dtype)
+    ranks = np.zeros((num_reqs,), lists.sampled_token_ranks.dtype)
+    for k, i in enumerate(rows):
+        ids[i], vals[i], ranks[i] = lists.logprob_token_ids[k], lists.logprobs[k], lists.sampled_token_ranks[k]
+    return LogprobsLists(ids, vals, ranks, None)

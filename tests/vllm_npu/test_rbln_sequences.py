@@ -191,8 +191,8 @@ def test_a_new_request_with_computed_tokens_is_refused():
     table = SequenceTable(8, 4, 16, [1])
     with pytest.raises(SequenceStateError) as info:
         table.add("a", [1] * 20, None, None, [1, 2], 16)
-    assert str(info.value) == ("req_id=a: starts with 16 computed tokens, but prefix caching is off on "
-                               "the RBLN optimum path")
+    assert str(info.value) == ("req_id=a: starts with 16 computed tokens, but prefix caching is off "
+                               "(--no-enable-prefix-caching)")
     assert "a" not in table.seqs
 
 

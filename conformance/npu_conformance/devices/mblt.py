@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 CONFIG_MARK = "NPU_HARNESS_CONFIG "
@@ -76,17 +76,7 @@ class MbltLab(DeviceLab):
     max_model_len: ClassVar[int] = 1024
     #: What ``MbltPlatform.validate_request`` refuses (``vllm_npu.mblt.platform``). ``min_p``
     #: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
-    refusals: ClassVar[tuple[Refusal, ...]] = (
-        Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
-        Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
-        Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
-        Refusal("min_tokens", {"min_tokens": 2}),
-        Refusal("logit_bias", {"logit_bias": {"5": 10}}),
-        Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
-        Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
-        Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
-        Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
-    )
+    refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
 
     @property
     def trace_dir(self) -> Path:

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -51,17 +51,7 @@ class RblnLab(DeviceLab):
     device: ClassVar[str] = "rbln"
     max_model_len: ClassVar[int] = 1024
     #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
-    refusals: ClassVar[tuple[Refusal, ...]] = (
-        Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
-        Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
-        Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
-        Refusal("min_tokens", {"min_tokens": 2}),
-        Refusal("logit_bias", {"logit_bias": {"5": 10}}),
-        Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
-        Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
-        Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
-        Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
-    )
+    refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
 
     @property
     def cache_root(self) -> Path:

@@ -22,7 +22,7 @@ from typing import Any
 
 from vllm.exceptions import VLLMValidationError
 
-from vllm_npu._platform import NpuPlatform
+from vllm_npu._platform import NpuPlatform, refuse_unsampled
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
@@ -117,34 +117,7 @@ class MbltPlatform(NpuPlatform):
                 structured outputs, ``min_p``, ``min_tokens``, ``logit_bias``,
                 ``allowed_token_ids`` or ``logprob_token_ids`` (each named).
         """
-        from vllm.sampling_params import SamplingParams
-
-        if not isinstance(params, SamplingParams):
-            raise MbltRequestError("the MBLT worker serves text generation only (no pooling requests)")
-        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
-            raise MbltRequestError("the MBLT worker takes token prompts only: prompt_embeds is not supported",
-                                   parameter="prompt_embeds")
-        refused: list[tuple[str, str]] = []  # (parameter, text)
-        if params.prompt_logprobs is not None:
-            refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}"))
-        if params.structured_outputs is not None:
-            refused.append(("response_format", "structured outputs (response_format / guided decoding)"))
-        if params.min_p:
-            refused.append(("min_p", f"min_p={params.min_p}"))
-        if params.min_tokens:
-            refused.append(("min_tokens", f"min_tokens={params.min_tokens}"))
-        if params.logit_bias:
-            refused.append(("logit_bias", "logit_bias"))
-        if params.allowed_token_ids:
-            refused.append(("allowed_token_ids", "allowed_token_ids"))
-        if params.logprob_token_ids:
-            refused.append(("logprob_token_ids", "logprob_token_ids"))
-        if refused:
-            raise MbltRequestError(
-                "the MBLT worker samples on the host with temperature, top_p, top_k, seed, "
-                "penalties, bad_words and logprobs only; refused: " + ", ".join(t for _p, t in refused),
-                parameter=refused[0][0],
-            )
+        refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError)
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
+from vllm_npu.host_sampling import scatter_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
@@ -422,7 +423,7 @@ class MbltWorker(NpuWorker):
     # ------------------------------------------------------------------ the step
 
     def execute_model(self, scheduler_output):
-        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         so = scheduler_output
         for rid in so.finished_req_ids:
@@ -464,15 +465,7 @@ class MbltWorker(NpuWorker):
             for i, tok in zip(to_sample, toks):
                 sampled[i] = [int(tok)]
                 work[i][0].output_ids.append(int(tok))
-            if lp is not None:
-                lists = lp.tolists()
-                n, width = len(order), lists.logprobs.shape[1]
-                ids = np.zeros((n, width), lists.logprob_token_ids.dtype)
-                vals = np.zeros((n, width), lists.logprobs.dtype)
-                ranks = np.zeros((n,), lists.sampled_token_ranks.dtype)
-                for row, i in enumerate(to_sample):
-                    ids[i], vals[i], ranks[i] = lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row]
-                logprobs = LogprobsLists(ids, vals, ranks, None)
+            logprobs = scatter_logprobs(lp, to_sample, len(order))
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={rid: i for i, rid in enumerate(order)},

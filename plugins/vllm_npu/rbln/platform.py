@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from vllm_npu._platform import NpuPlatform
+from vllm_npu._platform import NpuPlatform, refuse_unsampled
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
@@ -241,40 +241,15 @@ class RblnPlatform(NpuPlatform):
         """Refuse what the optimum worker would otherwise ignore (vLLM answers HTTP 400).
 
         Raises:
-            RblnRequestError: pooling requests, prompt embeddings, prompt logprobs,
-                structured outputs, ``min_p``, ``min_tokens``, ``logit_bias``,
-                ``allowed_token_ids`` or ``logprob_token_ids`` (each named).
+            RblnRequestError: pooling requests, prompt embeddings, prompt logprobs (the compiled
+                prefill returns the last position's logits only), structured outputs,
+                ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or
+                ``logprob_token_ids`` (each named).
         """
-        from vllm.sampling_params import SamplingParams
-
         from vllm_npu.rbln.errors import RblnRequestError
 
-        if not isinstance(params, SamplingParams):
-            raise RblnRequestError("the RBLN optimum worker serves text generation only (no pooling requests)")
-        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
-            raise RblnRequestError("the RBLN optimum worker takes token prompts only: prompt_embeds is "
-                                   "not supported", parameter="prompt_embeds")
-        refused: list[tuple[str, str]] = []
-        if params.prompt_logprobs is not None:
-            refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs} (the compiled "
-                            "prefill returns the last position's logits only)"))
-        if params.structured_outputs is not None:
-            refused.append(("response_format", "structured outputs (response_format / guided decoding)"))
-        if params.min_p:
-            refused.append(("min_p", f"min_p={params.min_p}"))
-        if params.min_tokens:
-            refused.append(("min_tokens", f"min_tokens={params.min_tokens}"))
-        if params.logit_bias:
-            refused.append(("logit_bias", "logit_bias"))
-        if params.allowed_token_ids:
-            refused.append(("allowed_token_ids", "allowed_token_ids"))
-        if params.logprob_token_ids:
-            refused.append(("logprob_token_ids", "logprob_token_ids"))
-        if refused:
-            raise RblnRequestError(
-                "the RBLN optimum worker samples on the host with temperature, top_p, top_k, seed, "
-                "penalties, bad_words and logprobs only; refused: " + ", ".join(t for _p, t in refused),
-                parameter=refused[0][0])
+        refuse_unsampled(processed_inputs, params, worker="RBLN optimum worker", error=RblnRequestError,
+                         prompt_logprobs_reason=" (the compiled prefill returns the last position's logits only)")
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -15,7 +15,10 @@ scheduled tokens into device work that obeys the compiled programs' static shape
 * **block ids**: vLLM's block 0 is its null block, so device block = vLLM block - 1; unused
   table entries are device block 0 (a valid id, as the kernel reads every slot of a live
   partition); padding rows of a decode write a slot no sequence will read before writing it
-  itself (:meth:`SequenceTable._padding_slot`).
+  itself (:meth:`SequenceTable._padding_slot`);
+* **prefix caching** (``prefix_chunk`` given): the table gives out the device blocks itself
+  and a prompt starts from the longest chunk-aligned prefix the device verifiably holds
+  (:class:`PrefixBlocks`); vLLM's blocks are then only its sub-block accounting.
 
 Nothing here imports vLLM, torch or the device runtime.
 """
@@ -147,16 +150,18 @@ class SequenceTable:
 
     def add(self, req_id: str, prompt_ids: Sequence[int], params: Any, generator: Any,
             block_ids: Sequence[int], num_computed_tokens: int) -> Seq:
-        """A new request.
+        """A new request. In prefix mode ``num_computed_tokens`` is vLLM's own prefix-cache hit:
+        it only tells how much of the prompt vLLM will not schedule; the device reuses what
+        :class:`PrefixBlocks` verifies.
 
         Raises:
-            SequenceStateError: vLLM says part of it is already computed (a prefix-cache hit,
-                which this worker does not take: prefix caching is off on this path).
+            SequenceStateError: vLLM says part of it is already computed while prefix caching
+                is off (vLLM and the worker disagree about the configuration).
         """
         if num_computed_tokens and self.prefix is None:
             raise SequenceStateError(
                 f"req_id={req_id}: starts with {num_computed_tokens} computed tokens, but prefix "
-                "caching is off on the RBLN optimum path")
+                "caching is off (--no-enable-prefix-caching)")
         seq = Seq(req_id, list(prompt_ids), params, generator, list(block_ids))
         if self.prefix is not None:
             seq.phys = []

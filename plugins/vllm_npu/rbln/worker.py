@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
-from vllm_npu.host_sampling import HostSampler, SampleRequest
+from vllm_npu.host_sampling import HostSampler, SampleRequest, scatter_logprobs
 from vllm_npu.rbln import compile_plan as cp
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 
@@ -189,7 +189,7 @@ class RblnOptimumWorker(NpuWorker):
     # ------------------------------------------------------------------ the step
 
     def execute_model(self, scheduler_output):
-        from vllm.v1.outputs import LogprobsLists, ModelRunnerOutput
+        from vllm.v1.outputs import ModelRunnerOutput
 
         so = scheduler_output
         table = self.table
@@ -229,16 +229,7 @@ class RblnOptimumWorker(NpuWorker):
             for s, tok in zip(seqs, toks):
                 sampled[index[s.req_id]] = [int(tok)]
                 s.output_ids.append(int(tok))
-            if lp is not None:
-                lists = lp.tolists()
-                n, width = len(order), lists.logprobs.shape[1]
-                ids = np.zeros((n, width), lists.logprob_token_ids.dtype)
-                vals = np.zeros((n, width), lists.logprobs.dtype)
-                ranks = np.zeros((n,), lists.sampled_token_ranks.dtype)
-                for row, s in enumerate(seqs):
-                    i = index[s.req_id]
-                    ids[i], vals[i], ranks[i] = lists.logprob_token_ids[row], lists.logprobs[row], lists.sampled_token_ranks[row]
-                logprobs = LogprobsLists(ids, vals, ranks, None)
+            logprobs = scatter_logprobs(lp, [index[s.req_id] for s in seqs], len(order))
         return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
                                  logprobs=logprobs, prompt_logprobs_dict={})
 

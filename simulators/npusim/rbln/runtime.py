@@ -66,6 +66,9 @@ def lower(module: torch.fx.GraphModule) -> torch.fx.GraphModule:
                 changed = True
     if changed:
         module.recompile()
+    # torch.export's own per-call input check: Runtime._check enforces the same contract
+    # (exact shapes and dtypes) with the device's messages.
+    module._forward_pre_hooks.clear()
     return module
 
 
