@@ -94,14 +94,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kcache: t
         vflat.index_put_((bid, heads, off), v[rows, :, 0, cols, :].to(vcache.dtype))
     # Attend over the first `length` positions of every row's blocks.
     length = min(last + 1, capacity)
-    if length <= bs:
-        first = tables[:, 0]  # slice before gathering: only `length` slots are copied
-        keys = torch.index_select(kflat[:, :, :length], 0, first)
-        vals = torch.index_select(vflat[:, :, :length], 0, first)
-    else:
-        nblk = -(-length // bs)
-        keys = kflat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
-        vals = vflat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
+    keys, vals = _gather(kflat, vflat, tables, length)
     f32 = torch.float32
     qf = (q if q.dtype == f32 else q.to(f32)).reshape(B * hkv, r * nq, d)
     kf = (keys if keys.dtype == f32 else keys.to(f32)).reshape(B * hkv, length, d)
@@ -119,6 +112,20 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kcache: t
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     out = torch.bmm(probs.view(B * hkv, r * nq, length), vf).view(B, hkv, r, nq, d)
     return out if out.dtype == q.dtype else out.to(q.dtype)
+
+
+def _gather(kflat: torch.Tensor, vflat: torch.Tensor, tables: torch.Tensor, length: int):
+    """Every row's keys and values at positions ``0 .. length-1``: ``[B, Hkv, length, D]`` each,
+    read through the rows' block tables (one block: sliced before gathering, so only
+    ``length`` slots are copied)."""
+    B, (_, hkv, bs, d) = tables.shape[0], kflat.shape
+    if length <= bs:
+        first = tables[:, 0]
+        return (torch.index_select(kflat[:, :, :length], 0, first),
+                torch.index_select(vflat[:, :, :length], 0, first))
+    nblk = -(-length // bs)
+    return tuple(flat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
+                 for flat in (kflat, vflat))
 
 
 def _decode_attention(q, k, v, kflat, vflat, starts, scale, tables, bs: int, capacity: int):
@@ -139,14 +146,7 @@ def _decode_attention(q, k, v, kflat, vflat, starts, scale, tables, bs: int, cap
             kflat[blk, :, off] = k[live, :, 0, 0, :].to(kflat.dtype)
             vflat[blk, :, off] = v[live, :, 0, 0, :].to(vflat.dtype)
     length = min(last + 1, capacity)
-    if length <= bs:
-        first = tables[:, 0]
-        keys = torch.index_select(kflat[:, :, :length], 0, first)
-        vals = torch.index_select(vflat[:, :, :length], 0, first)
-    else:
-        nblk = -(-length // bs)
-        keys = kflat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
-        vals = vflat[tables[:, :nblk]].permute(0, 2, 1, 3, 4).reshape(B, hkv, nblk * bs, d)[:, :, :length]
+    keys, vals = _gather(kflat, vflat, tables, length)
     f32 = torch.float32
     qf = (q if q.dtype == f32 else q.to(f32)).reshape(B * hkv, r, d)
     kf = (keys if keys.dtype == f32 else keys.to(f32)).reshape(B * hkv, length, d)
