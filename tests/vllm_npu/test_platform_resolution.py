@@ -36,10 +36,17 @@ def test_mblt_targets_resolve_the_mblt_platform():
         assert "DEVICE cpu MbltPlatform" in proc.stdout
 
 
+def test_rbln_targets_resolve_the_rbln_platform():
+    for target in ("rbln-sim", "rbln-hw"):
+        proc = _resolve(target)
+        assert proc.returncode == 0, proc.stderr
+        assert "DEVICE cpu RblnPlatform" in proc.stdout
+
+
 def test_an_unbuilt_plugin_fails_loudly_naming_its_status():
-    proc = _resolve("rbln-sim")
+    proc = _resolve("neuron-sim")
     assert proc.returncode != 0
-    assert "vllm_npu.rbln) is not built yet (issue 16)" in proc.stderr
+    assert "vllm_npu.neuron) is not built yet (issue 11)" in proc.stderr
 
 
 def test_an_invalid_target_fails_loudly_instead_of_serving_on_cpu():
