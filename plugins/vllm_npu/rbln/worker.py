@@ -130,7 +130,7 @@ class RblnOptimumWorker(NpuWorker):
             self.model = cls.from_pretrained(compiled, rbln_config=dict(self.plan.get("runtime_config") or {}))
             logger.info("RBLN load: compiled model %s in %.2f s, no compile (warm start)", compiled,
                         time.perf_counter() - t0)
-        self.spec = cp.CompiledModelSpec.from_dir(compiled if Path(compiled).exists() else str(tmp))
+        self.spec = cp.CompiledModelSpec.from_dir(compiled)
         blocks = self.spec.kvcache_num_blocks or self.spec.batch_size * (self.spec.max_seq_len // self.spec.block_size)
         prefix = self.plan.get("prefix")
         self.vllm_block = int(prefix["sub_block_size"]) if prefix else self.spec.block_size

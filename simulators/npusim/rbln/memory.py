@@ -92,13 +92,5 @@ class _Ledger:
                 mem = self._devices[key] = DeviceMemory(device_id, part)
             return mem
 
-    def used(self, device_id: int) -> list[int]:
-        """Bytes used per chiplet of ``device_id`` (all parts it was opened as)."""
-        out: list[int] = []
-        for (dev, _, _), mem in self._devices.items():
-            if dev == device_id:
-                out = [a + b for a, b in zip(out or [0] * len(mem.used), mem.used)]
-        return out
-
 
 ledger = _Ledger()

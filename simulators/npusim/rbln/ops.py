@@ -158,7 +158,7 @@ def _decode_attention(q, k, v, kflat, vflat, starts, scale, tables, bs: int, cap
     return out if out.dtype == q.dtype else out.to(q.dtype)
 
 
-def _define(name: str, *, flash: bool, masked: bool, prefill: bool) -> None:
+def _define(name: str, *, flash: bool) -> None:
     mutated = ("kcache", "vcache")
 
     def body(q, k, v, kcache, vcache, seq, scale, block_table, block_size, mask, is_bidirectional):
@@ -219,4 +219,4 @@ for _flash in (False, True):
     for _masked in (False, True):
         for _phase in ("prefill", "decode"):
             _name = ("paged_flash_" if _flash else "paged_") + ("attn_" if _masked else "causal_attn_") + _phase
-            _define(_name, flash=_flash, masked=_masked, prefill=_phase == "prefill")
+            _define(_name, flash=_flash)

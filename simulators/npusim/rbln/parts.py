@@ -134,7 +134,7 @@ class Settings:
 
 
 _KNOWN = {"devices", "dram_per_chiplet", "fault", "fault_log"}
-_cache: tuple[tuple[str | None, str | None, str | None], Settings] | None = None
+_cache: tuple[tuple[str | None, str | None], Settings] | None = None
 
 
 def _parse(raw: str | None, forced: str | None) -> Settings:
@@ -186,7 +186,7 @@ def settings(environ: dict[str, str] | None = None) -> Settings:
     global _cache
     env = os.environ if environ is None else environ
     forced = env.get("RBLN_FORCE_NPU_NAME") or env.get("RBLN_TARGET_SOC") or None
-    key = (env.get(ENV_VAR), forced, None)
+    key = (env.get(ENV_VAR), forced)
     if environ is None and _cache is not None and _cache[0] == key:
         return _cache[1]
     value = _parse(key[0], forced)

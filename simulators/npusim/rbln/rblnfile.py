@@ -122,7 +122,3 @@ def read(path: str | os.PathLike) -> tuple[Header, bytes]:
         raise RBLNFileError(f"{where}: program length {plen} != {len(prog)} bytes present")
     return header, prog
 
-
-def describe(header: Header) -> dict[str, Any]:
-    """A JSON-able summary of ``header`` (for logs and the CLI)."""
-    return asdict(header)

@@ -37,7 +37,6 @@ from .errors import RBLNDeviceError, RBLNInputError, RBLNRuntimeFault
 __all__ = ["Runtime", "calls", "invalid_device_message"]
 
 _lock = threading.Lock()
-_calls = itertools.count(1)
 _state = {"calls": 0}
 _groups: dict[str, list["_Group"]] = {}
 _ids = itertools.count(1)
