@@ -1,7 +1,16 @@
 """An NPU simulator target vs vLLM's native CPU backend: output tokens/s under vLLM's own benchmarks.
 
     PYTHONPATH=plugins:simulators:conformance .venv/bin/python benchmarks/npu_serving.py \\
-        [--device mblt|rbln] [--rounds 3] [--workdir DIR] [--json PATH]
+        [--device mblt|rbln|neuron] [--rounds 3] [--workdir DIR] [--json PATH]
+
+``--device neuron`` (issue 11's floor, the same 0.5): the tiny llama of ``npu-harness
+make-model --arch llama`` served by the Neuron plugin on ``neuron-sim`` (NEFFs on
+``npusim.neff``; ``--max-model-len 1024 --max-num-batched-tokens 1024
+--no-enable-prefix-caching``, i.e. single-shot prefill with the default buckets: prefill 128,
+256, 512, 1024 tokens, decode batches 1, 2, 4, 8; ``--max-num-seqs 8 --block-size 32
+--num-gpu-blocks-override 512``; the NEFF compile cache, ``VLLM_CACHE_ROOT`` in the workdir, is
+warmed before round 1) against the native backend on the same directory with the same
+``--max-model-len 1024 --max-num-seqs 8``. Padding waste per bucket: ``neuron_padding.py``.
 
 ``--device rbln`` (issue 16's floor, the same 0.5): the tiny llama with 64-wide heads served by
 the RBLN plugin on ``rbln-sim`` (optimum-rbln compiled on ``npusim.rbln``, ``--block-size 1024
@@ -72,14 +81,24 @@ def bin_path(name: str) -> str:
     return str(Path(sys.executable).with_name(name))
 
 
+NEURON_ARGS = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024",
+               "--no-enable-prefix-caching", "--max-num-seqs", "8", "--block-size", "32",
+               "--num-gpu-blocks-override", "512"]
 RBLN_ARGS = ["--max-model-len", "1024", "--block-size", "1024", "--max-num-seqs", "8",
              "--additional-config", json.dumps({"optimum_overrides": {"decoder_batch_sizes": [8, 4, 2, 1]}})]
 
 
 def build(workdir: Path) -> tuple[Path, Path]:
     """The tiny llama HF directory and the device artifact: for mblt its MXQ artifact (batch 8,
-    chunk 128, single core); for rbln the HF directory itself (compiled at engine start)."""
+    chunk 128, single core); for rbln and neuron the HF directory itself (compiled at engine
+    start)."""
     env = harness_env()
+    if DEVICE["name"] == "neuron":
+        hf = workdir / "llama"
+        if not (hf / "config.json").exists():
+            subprocess.run([bin_path("npu-harness"), "make-model", "--arch", "llama", "--out", str(hf),
+                            "--seed", "0"], check=True, env=env)
+        return hf, hf
     if DEVICE["name"] == "rbln":
         hf = workdir / "llama-hd64"
         if not (hf / "config.json").exists():
@@ -98,7 +117,7 @@ def build(workdir: Path) -> tuple[Path, Path]:
 
 
 EXTRA_ENV: dict[str, str] = {}
-CACHE_ROOT = {"path": ""}  # the rbln compile cache of this run (set in main)
+CACHE_ROOT = {"path": ""}  # the rbln / neuron compile cache of this run (set in main)
 
 
 def backend_env(backend: str) -> dict[str, str]:
@@ -109,7 +128,7 @@ def backend_env(backend: str) -> dict[str, str]:
         os.environ.clear()
         os.environ.update(base)
         target = backend if backend != "native" else None
-        extra = {"VLLM_CACHE_ROOT": CACHE_ROOT["path"]} if target == "rbln-sim" else {}
+        extra = {"VLLM_CACHE_ROOT": CACHE_ROOT["path"]} if target in ("rbln-sim", "neuron-sim") else {}
         return vllm_server.vllm_env(target, **extra)
     finally:
         os.environ.clear()
@@ -121,6 +140,8 @@ def model_and_args(backend: str, hf: Path, mxq: Path) -> tuple[Path, list[str]]:
         return mxq, ["--max-model-len", "1024"]
     if backend == "rbln-sim":
         return hf, list(RBLN_ARGS)
+    if backend == "neuron-sim":
+        return hf, list(NEURON_ARGS)
     return hf, ["--max-model-len", "1024", "--max-num-seqs", "8"]
 
 
@@ -179,7 +200,7 @@ def run_serve(backend: str, hf: Path, mxq: Path, out: Path, a: argparse.Namespac
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--device", choices=("mblt", "rbln"), default="mblt")
+    p.add_argument("--device", choices=("mblt", "rbln", "neuron"), default="mblt")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir", type=Path, help="model, artifact and logs (default: a temp dir)")
     p.add_argument("--json", type=Path, help="write the summary here")
@@ -200,11 +221,12 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     CACHE_ROOT["path"] = str(workdir / "vllm-cache")
     hf, mxq = build(workdir)
-    if a.device == "rbln":  # warm the compile cache: the rounds measure serving, not compiling
+    if a.device in ("rbln", "neuron"):  # warm the compile cache: rounds measure serving, not compiling
         t = time.monotonic()
-        warm = vllm_server.start(hf, RBLN_ARGS, env=backend_env(sim), log=workdir / "warm-cache.log")
+        warm_args = RBLN_ARGS if a.device == "rbln" else NEURON_ARGS
+        warm = vllm_server.start(hf, warm_args, env=backend_env(sim), log=workdir / "warm-cache.log")
         warm.stop()
-        print(f"rbln compile cache warmed in {time.monotonic() - t:.1f} s (cold start)", flush=True)
+        print(f"{a.device} compile cache warmed in {time.monotonic() - t:.1f} s (cold start)", flush=True)
     logs = workdir / "logs"
     logs.mkdir(exist_ok=True)
     runners = {"throughput": run_throughput, "serve": run_serve}
@@ -244,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             "units": f"output tokens/s (wall time); ratio = {sim} / native", "device": a.device,
             "settings": {"env": EXTRA_ENV, "input_len": a.input_len, "output_len": a.output_len,
                          "num_prompts": a.num_prompts, "max_concurrency": 8,
-                         "max_model_len": 1024, "native_max_num_seqs": 8, "rounds": a.rounds},
+                         "max_model_len": 1024, "native_max_num_seqs": 8, "rounds": a.rounds,
+                         "sim_server_args": model_and_args(sim, hf, mxq)[1]},
             "workdir": str(workdir), "rows": rows, "median_ratio": medians,
             "floor": a.floor, "meets_floor": not failed}, indent=2))
     return 1 if failed else 0

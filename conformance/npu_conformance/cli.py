@@ -163,6 +163,12 @@ def _cmd_rbln_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_neuron_plan(args: argparse.Namespace) -> int:
+    from vllm_npu.neuron.plan_cli import main as plan_main
+
+    return plan_main(args.vllm_args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="npu-harness",
@@ -243,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--optimum-overrides", metavar="JSON",
                     help="JSON object laid over the derived rbln_config; may not change derived values")
     rc.set_defaults(func=_cmd_rbln_compile)
+    neuron = sub.add_parser("neuron", help="AWS Neuron plugin (vllm_npu.neuron): the plan of a configuration")
+    neuron_sub = neuron.add_subparsers(dest="neuron_command", required=True, metavar="NEURON_COMMAND")
+    np_ = neuron_sub.add_parser("plan", help="print the Neuron plan (compile targets, KV budget and blocks, "
+                                             "runner, validation errors) of vllm serve options, as JSON; "
+                                             "starts no engine", prefix_chars="\0")
+    np_.add_argument("vllm_args", nargs=argparse.REMAINDER, metavar="--model DIR [vllm serve options]")
+    np_.set_defaults(func=_cmd_neuron_plan)
     return parser
 
 

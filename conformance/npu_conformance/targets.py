@@ -167,6 +167,9 @@ def _probe_neuron_hw() -> Availability:
     nodes = sorted(glob.glob("/dev/neuron*"))
     if not nodes:
         return Availability(False, "no /dev/neuron* device node: no Neuron device")
+    failed = _import_reason("nrtpy", "the Neuron SDK's Python runtime (nrtpy)")
+    if failed:
+        return failed
     return Availability(True, f"Neuron devices: {', '.join(nodes)}")
 
 
@@ -196,8 +199,8 @@ TARGETS: dict[str, Target] = {
                _probe_rbln_sim),
         Target("rbln-hw", "rbln", "hw", "rebel", _probe_rbln_hw),
         Target("neuron-sim", "neuron", "sim", "npusim.neff",
-               _probe_sim("npusim.neff", "NeffProgram", "Neuron runtime surface")),
-        Target("neuron-hw", "neuron", "hw", "neuron runtime", _probe_neuron_hw),
+               _probe_sim("npusim.neff", "NrtpyModel", "nrtpy surface")),
+        Target("neuron-hw", "neuron", "hw", "nrtpy", _probe_neuron_hw),
         Target("ime2-qemu", "ime2", "sim", "kernels/ime2 under qemu-riscv64", _probe_ime2_qemu),
         Target("ime2-hw", "ime2", "hw", "kernels/ime2 on the K3", _probe_ime2_hw),
     )

@@ -43,10 +43,11 @@ def test_rbln_targets_resolve_the_rbln_platform():
         assert "DEVICE cpu RblnPlatform" in proc.stdout
 
 
-def test_an_unbuilt_plugin_fails_loudly_naming_its_status():
-    proc = _resolve("neuron-sim")
-    assert proc.returncode != 0
-    assert "vllm_npu.neuron) is not built yet (issue 11)" in proc.stderr
+def test_neuron_targets_resolve_the_neuron_platform():
+    for target in ("neuron-sim", "neuron-hw"):
+        proc = _resolve(target)
+        assert proc.returncode == 0, proc.stderr
+        assert "DEVICE cpu NeuronPlatform" in proc.stdout
 
 
 def test_an_invalid_target_fails_loudly_instead_of_serving_on_cpu():

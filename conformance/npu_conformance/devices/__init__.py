@@ -15,9 +15,10 @@ SERVING_DEVICES: tuple[str, ...] = ("mblt", "rbln", "neuron")
 
 #: Device -> ``module:class`` of its lab.
 _LABS: dict[str, str] = {"mblt": "npu_conformance.devices.mblt:MbltLab",
-                         "rbln": "npu_conformance.devices.rbln:RblnLab"}
+                         "rbln": "npu_conformance.devices.rbln:RblnLab",
+                         "neuron": "npu_conformance.devices.neuron:NeuronLab"}
 #: Serving devices whose lab is not written yet, and the issue that writes it.
-_PENDING: dict[str, str] = {"neuron": "issue 11"}
+_PENDING: dict[str, str] = {}
 
 
 class NoDeviceLab(LookupError):

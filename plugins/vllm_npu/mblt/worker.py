@@ -40,7 +40,7 @@ from vllm_npu.host_sampling import scatter_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
-from vllm_npu.mblt.host_threads import limit_host_blas_threads
+from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.sampling import HostSampler, SampleRequest

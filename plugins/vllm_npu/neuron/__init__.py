@@ -1,4 +1,11 @@
-"""AWS Neuron vLLM plugin: device adapter over the Neuron runtime API (issue 11)."""
+"""AWS Neuron vLLM plugin: NEFF buckets through the Neuron runtime API (issue 11).
+
+``platform.py`` (the plan, the scheduler, the worker), ``plan.py`` (every decision, pure),
+``buckets.py``, ``memory.py``, ``runner.py``, ``parallel.py``, ``sampling.py``,
+``quantization.py``, ``neuron_config.py`` (the seed's rules, stdlib only), ``scheduler.py``
+(one prefill per step, padded), ``worker.py`` (NEFFs per bucket), ``compile_cache.py``,
+``metrics.py`` (``vllm_neuron:`` Prometheus metrics), ``runtime.py`` (the seam).
+"""
 
 from __future__ import annotations
 
@@ -9,6 +16,12 @@ def register() -> str | None:
     """vLLM platform-plugin entry point (group ``vllm.platform_plugins``).
 
     Returns the platform class's qualified name when ``NPU_HARNESS_TARGET`` names one of
-    this device's targets, else None (the plugin stays inactive).
+    this device's targets, else None (the plugin stays inactive). When active, it sets
+    ``PROMETHEUS_MULTIPROC_DIR`` unless the user did (the metrics' multiprocess mode).
     """
-    return platform_for("neuron", "vllm_npu.neuron.platform.NeuronPlatform")
+    name = platform_for("neuron", "vllm_npu.neuron.platform.NeuronPlatform")
+    if name is not None:
+        from vllm_npu.neuron.metrics import ensure_multiproc_dir
+
+        ensure_multiproc_dir()
+    return name

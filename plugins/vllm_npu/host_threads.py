@@ -1,4 +1,5 @@
-"""One host BLAS thread in the engine process, as vLLM's workers keep torch at one thread.
+"""One host BLAS thread in the engine process, as vLLM's workers keep torch at one thread
+(shared by the MBLT and Neuron workers).
 
 The MBLT worker's host work per step is small (embedding rows, sampling) and the runtime it
 hosts may do its own numpy work (``npusim.mxq`` runs the whole model in numpy). An OpenBLAS

@@ -1,4 +1,4 @@
-"""vllm_npu.mblt.host_threads: the engine process's OpenBLAS is set to one thread."""
+"""vllm_npu.host_threads: the engine process's OpenBLAS is set to one thread."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from vllm_npu.mblt.host_threads import limit_host_blas_threads
+from vllm_npu.host_threads import limit_host_blas_threads
 
 PROBE = r"""
 import ctypes, numpy, sys
-from vllm_npu.mblt.host_threads import limit_host_blas_threads, _loaded_openblas
+from vllm_npu.host_threads import limit_host_blas_threads, _loaded_openblas
 libs = _loaded_openblas()
 if not libs:
     print("NOLIB"); sys.exit(0)

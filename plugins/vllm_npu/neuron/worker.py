@@ -1,0 +1,535 @@
+"""The Neuron vLLM worker: one NEFF per bucket, compiled at warm-up, executed per step.
+
+The device is reached only through the runtime seam (:mod:`vllm_npu.neuron.runtime`:
+``npusim.neff`` on ``neuron-sim``, ``nrtpy`` on ``neuron-hw``). vLLM's engine calls, in order:
+
+1. ``init_device`` / ``load_model``: the runtime, the device (Trn2/Trn3, HBM per logical core),
+   the model's resident bytes (its weight files), the ``model_load_*`` metrics;
+2. ``get_kv_cache_spec`` / ``determine_available_memory``: one full-attention KV spec per
+   layer at the model's KV dtype (``fp8`` halves it), and the KV budget of
+   :func:`vllm_npu.neuron.memory.compute_kv_budget` against the core's HBM; vLLM turns it into
+   ``available // page_bytes`` blocks (or ``--num-gpu-blocks-override``);
+3. ``initialize_from_config``: the device-resident KV tensor of that many blocks;
+4. ``compile_or_warm_up_model``: one NEFF per compile target of the plan, from
+   ``NEURON_COMPILED_ARTIFACTS``, the compile cache, or compiled now
+   (:mod:`vllm_npu.neuron.compile_cache`), each loaded with the vendor's warm-up log lines;
+5. ``execute_model`` once per step. The scheduler (:mod:`vllm_npu.neuron.scheduler`) hands
+   either one prefill (padded to ``num_scheduled_tokens_padded``: one segment of a long
+   prompt, or a whole prompt) or a decode of every running request, which the worker pads
+   to the smallest decode batch bucket (and context-length bucket). A step that mixes the two
+   is the vendor's ``RuntimeError``. A shape with no NEFF is the ``fail_on_recompile`` error.
+
+Sampling is on the device (the NEFF's ``tokens`` output, from the host's uniforms) unless
+``on_device_sampling_config`` is null, when vLLM's sampler runs on the host
+(:mod:`vllm_npu.host_sampling`). A failed NEFF execution is retried once (it rewrites the same
+KV slots); a second failure is :class:`NeuronDeviceError` and the engine stops.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_npu._worker import NpuWorker
+from vllm_npu.neuron import compile_cache as cc
+from vllm_npu.neuron.errors import NeuronDeviceError, NeuronWorkerError
+from vllm_npu.neuron.runtime import compiler_of, load_runtime
+
+logger = logging.getLogger("vllm.vllm_npu.neuron")
+
+#: ``additional_config`` key the platform hands the plan to the worker and scheduler under.
+PLAN_KEY = "npu_harness_neuron_plan"
+MIXED_BATCH_ERROR = ("Neuron constraint violated: Mixed prefill ({p}) and decode ({d}) in the same batch. "
+                     "This indicates a bug in the scheduling logic.")
+#: How often (decode steps) the async-flow counters are logged.
+ASYNC_LOG_EVERY = 64
+
+
+def recompile_error(name: str, tensor: str, expected: int, actual: int) -> RuntimeError:
+    """The ``fail_on_recompile`` error of a shape no NEFF was compiled for (reference §10.5)."""
+    return RuntimeError(
+        "Detected recompile when torch.compile stance is 'fail_on_recompile'. filename: "
+        f"'vllm_npu/neuron/worker.py', function name: '{name}', line number: 0\n"
+        "    triggered by the following guard failure(s):\n"
+        f"    - 0/0: tensor '{tensor}' size mismatch at index 0. expected {expected}, actual {actual}")
+
+
+@dataclass
+class _Seq:
+    """One request as the worker tracks it."""
+
+    req_id: str
+    prompt: list[int]
+    params: Any
+    generator: torch.Generator | None
+    blocks: list[int]
+    computed: int
+    outputs: list[int] = field(default_factory=list)
+
+    def tokens(self) -> list[int]:
+        return self.prompt + self.outputs
+
+
+def _process_age_s() -> float:
+    """Seconds since this (engine) process started, from ``/proc`` (the time since the worker
+    was built where ``/proc`` is absent)."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return max(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 0.0)
+    except (OSError, ValueError, IndexError):
+        return time.perf_counter() - _IMPORTED_AT
+
+
+_IMPORTED_AT = time.perf_counter()
+
+
+class NeuronWorker(NpuWorker):
+    """vLLM worker executing NEFFs through the Neuron runtime seam (module docstring)."""
+
+    npu_name = "Neuron"
+
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False) -> None:
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        extra = vllm_config.additional_config or {}
+        plan = extra.get(PLAN_KEY) if isinstance(extra, dict) else None
+        if not isinstance(plan, dict):
+            raise NeuronWorkerError("the Neuron platform handed the worker no plan (additional_config)")
+        self.plan = plan
+        self.target = plan["target"]
+        self.nrt: Any = None
+        self.device_info: Any = None
+        self.neffs: dict[str, Any] = {}
+        self.kv: Any = None
+        self.seqs: dict[str, _Seq] = {}
+        self.sampler: Any = None
+        self.metrics: Any = None
+        self._rng = np.random.default_rng(int(vllm_config.model_config.seed or 0))
+        self._prev_ids: list[str] | None = None
+        self.stats = {"steps": 0, "prefills": 0, "decodes": 0, "retries": 0, "padded_rows": 0,
+                      "padded_tokens": 0, "async_steps": 0, "sync_fallback_steps": 0}
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def init_device(self) -> None:
+        from vllm.utils.torch_utils import set_torch_threads_for_runtime
+
+        from vllm_npu.host_threads import limit_host_blas_threads
+
+        self.device = torch.device("cpu")
+        set_torch_threads_for_runtime()
+        # the simulated NEFFs compute in numpy: an OpenBLAS pool at the core count spin-waits
+        # between calls and steals the cores the step needs (see vllm_npu.host_threads)
+        limited = limit_host_blas_threads(1)
+        if limited:
+            logger.info("Neuron worker: host OpenBLAS set to 1 thread (%s)", ", ".join(map(os.path.basename, limited)))
+        self.nrt = load_runtime(self.target)
+        self.device_info = self.nrt.device_info()
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:  # noqa: ARG002
+        """The model's resident bytes and the load metrics (the weights go to the device with
+        each NEFF)."""
+        from vllm_npu.neuron.metrics import NeuronMetrics
+
+        self.metrics = NeuronMetrics(self.plan["model_name"], rank_id=int(self.local_rank))
+        self.metrics.precreate(self.plan["prefill_names"], self.plan["decode_names"])
+        if not self.plan["on_device_sampling"]:
+            from vllm_npu.host_sampling import HostSampler
+
+            self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger)
+        logger.info("Neuron model %s: %d weight bytes on %s (%d logical cores, %.1f GiB HBM each), "
+                    "%s sampling, Model Runner %s", self.plan["model_name"], self.plan["model_weight_bytes"],
+                    self.device_info.target, self.device_info.logical_cores,
+                    self.device_info.hbm_bytes_per_logical_core / 2**30,
+                    "on-device" if self.plan["on_device_sampling"] else "CPU",
+                    "V2" if self.plan["runner"]["use_v2"] else "V1")
+        if self.plan["runner"]["use_v2"]:
+            logger.info("Using the standalone V2 Neuron model runner.")
+
+    def get_kv_cache_spec(self) -> dict[str, Any]:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        g = self.plan["geometry"]
+        dtype = torch.float8_e4m3fn if self.plan["kv_dtype"] == "fp8_e4m3" else self.model_config.dtype
+        spec = FullAttentionSpec(block_size=int(self.plan["block_size"]), num_kv_heads=int(g["num_kv_heads"]),
+                                 head_size=int(g["head_dim"]), dtype=dtype)
+        return {f"model.layers.{i}.self_attn": spec for i in range(int(g["num_layers"]))}
+
+    def determine_available_memory(self) -> int:
+        """The KV budget in bytes (:func:`vllm_npu.neuron.memory.compute_kv_budget`).
+
+        Raises:
+            RuntimeError: the budget is below ``VLLM_NEURON_MIN_KV_BUDGET_GIB`` (the vendor's text).
+        """
+        from vllm_npu.neuron import memory
+
+        budget = memory.compute_kv_budget(
+            logical_core_hbm_bytes=int(self.device_info.hbm_bytes_per_logical_core),
+            model_weight_bytes=int(self.plan["model_weight_bytes"]),
+            gpu_memory_utilization=float(self.cache_config.gpu_memory_utilization), env=os.environ)
+        logger.info("Neuron KV budget: %.3f GiB (%s)", budget.available_bytes / 2**30, budget.mode)
+        return int(budget.available_bytes)
+
+    def initialize_from_config(self, kv_cache_config: Any) -> None:
+        """Allocate the device-resident KV tensor of ``kv_cache_config.num_blocks`` blocks."""
+        self.kv_cache_config = kv_cache_config
+        self.num_blocks = int(kv_cache_config.num_blocks)
+        shape = self.nrt.kv_cache_shape(self.plan["model_dir"], self.num_blocks, int(self.plan["block_size"]))
+        self.kv = self.nrt.NrtpyTensor.from_numpy(np.zeros(shape, np.float32), name="kv_cache", core_id=0)
+        logger.info("Neuron KV cache: %d blocks of %d tokens (%s), shape %s", self.num_blocks,
+                    self.plan["block_size"], self.plan["kv_dtype"], tuple(shape))
+
+    def get_cache_block_size_bytes(self) -> int:
+        return next(iter(self.get_kv_cache_spec().values())).page_size_bytes
+
+    def compile_or_warm_up_model(self):
+        """Every NEFF of the plan: loaded from ``NEURON_COMPILED_ARTIFACTS`` or the compile
+        cache, else compiled now (module docstring, step 4).
+
+        Raises:
+            vllm_npu.neuron.compile_cache.WarmupCompileDisabledError: a miss with compiling off.
+            NotImplementedError: a miss on ``neuron-hw`` (issue 11).
+            whatever the compiler raises (``NCC_EOOM001`` ...).
+        """
+        from vllm import envs
+        from vllm.v1.worker.worker_base import CompilationTimes
+
+        t0 = time.perf_counter()
+        targets = self.plan["compile_targets"]
+        fields = [self._spec_fields(t) for t in targets]
+        names = [self._target_name(t) for t in targets]
+        fingerprint = cc.model_fingerprint(self.plan["model_dir"])
+        platform_target = self.device_info.target
+        keys = [cc.cache_key(f, model_fingerprint=fingerprint, platform_target=platform_target,
+                             compiler_version=self.nrt.COMPILER_VERSION) for f in fields]
+        cfg_hash = cc.config_hash(keys)
+        cache = cc.CompileCache.from_env(envs.VLLM_CACHE_ROOT)
+        art_dir = os.environ.get("NEURON_COMPILED_ARTIFACTS", "").strip()
+        artifacts = cc.CompiledArtifacts(Path(art_dir)) if art_dir else None
+        from_artifacts = artifacts.load(cfg_hash) if artifacts else None
+        n_prefill = sum(1 for t in targets if t["kind"] == "prefill")
+        logger.info("Warming up model for %s num_batched_tokens_buckets: %s", n_prefill,
+                    self.plan["num_batched_tokens_buckets"])
+        paths: dict[str, Path] = {}
+        compiled = cached = 0
+        simulated_s = 0.0
+        for i, (t, f, name, key) in enumerate(zip(targets, fields, names, keys), 1):
+            if t["kind"] == "prefill":
+                logger.info("[%s/%s] Warming up for prefill: bucket_size=%s, kv_segment_size=%s", i, len(targets),
+                            t["tokens"], t["kv_segment"] or None)
+            else:
+                logger.info("[%s/%s] Warming up decode (batch=%s, seq=%s)", i, len(targets), t["batch"], t["context"])
+            if from_artifacts is not None:
+                paths[name] = from_artifacts[name]
+                continue
+            hit = cache.lookup(key)
+            if hit is not None:
+                paths[name] = hit
+                cached += 1
+                continue
+            cache.require_compile(key)
+            compile_neff = compiler_of(self.target, self.nrt)
+            out = Path(envs.VLLM_CACHE_ROOT) / "neuron" / "work" / f"{key}-{os.getpid()}.neff"
+            out.parent.mkdir(parents=True, exist_ok=True)
+            report = compile_neff(self.nrt.NeffSpec(**f), self.plan["model_dir"], str(out), target=platform_target)
+            simulated_s += float(report.simulated_seconds)
+            self.metrics.compiled(name, float(report.simulated_seconds))
+            paths[name] = cache.store(key, out, {"name": name, "spec": f, "target": platform_target,
+                                                 "compiler": self.nrt.COMPILER_VERSION})
+            if paths[name] != out:
+                out.unlink(missing_ok=True)
+            compiled += 1
+        if artifacts is not None and from_artifacts is None:
+            artifacts.save(cfg_hash, paths, targets)
+        t_load = time.perf_counter()
+        for name, path in paths.items():  # loading a NEFF puts the model's weights on the core
+            self.neffs[name] = self.nrt.NrtpyModel.load_from_neff(str(path), name=name, core_id=0)
+        self.metrics.model_loaded(time.perf_counter() - t_load, int(self.plan["model_weight_bytes"]))
+        source = ("NEURON_COMPILED_ARTIFACTS" if from_artifacts is not None else
+                  f"compile cache ({cached} hit(s), {compiled} compiled)")
+        logger.info("Model warmup completed: %s num_batched_tokens_buckets, %s num_seqs_buckets", n_prefill,
+                    len(self.plan["num_seqs_buckets"]))
+        logger.info("Neuron NEFFs: %d loaded from %s; simulated compile time %.2f s; warm-up took %.2f s",
+                    len(paths), source, simulated_s, time.perf_counter() - t0)
+        self.metrics.startup(_process_age_s())
+        return CompilationTimes(language_model=simulated_s, encoder=0.0)
+
+    def _spec_fields(self, t: dict[str, Any]) -> dict[str, Any]:
+        p = self.plan
+        common = {"max_model_len": int(p["max_model_len"]), "block_size": int(p["block_size"]),
+                  "num_blocks": int(self.num_blocks), "kv_dtype": p["kv_dtype"],
+                  "on_device_sampling": bool(p["on_device_sampling"]),
+                  "max_top_k": int(p["max_top_k"]), "deterministic": bool(p["deterministic"])}
+        if t["kind"] == "prefill":
+            return {"kind": "prefill", "tokens": int(t["tokens"]), "batch": 1, "kv_segment": int(t["kv_segment"] or 0),
+                    "context": int(p["max_model_len"]), **common}
+        return {"kind": "decode", "tokens": 1, "batch": int(t["batch"]), "kv_segment": 0,
+                "context": int(t["context"]), **common}
+
+    def _target_name(self, t: dict[str, Any]) -> str:
+        if t["kind"] == "prefill":
+            return f"prefill_s{t['tokens']}" + (f"_kv{t['kv_segment']}" if t["kv_segment"] else "")
+        ctx = int(t["context"])
+        return f"decode_b{t['batch']}" + ("" if ctx == int(self.plan["max_model_len"]) else f"_s{ctx}")
+
+    def check_health(self) -> None:
+        if not self.neffs:
+            raise NeuronWorkerError("no NEFF is loaded")
+
+    def shutdown(self) -> None:
+        self.neffs.clear()
+        self.seqs.clear()
+        if self.nrt is not None:
+            try:
+                self.nrt.reset()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    def sample_tokens(self, grammar_output):  # noqa: ARG002
+        raise NotImplementedError("the Neuron worker samples inside execute_model")
+
+    # ------------------------------------------------------------------ the step
+
+    def _update_states(self, so) -> None:
+        for rid in so.finished_req_ids:
+            self.seqs.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params is not None and params.seed is not None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(params.seed)
+            old = self.seqs.get(new.req_id)
+            self.seqs[new.req_id] = _Seq(new.req_id, list(new.prompt_token_ids or []), params, gen,
+                                         list(new.block_ids[0]), int(new.num_computed_tokens),
+                                         old.outputs if old else [])
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            seq = self.seqs.get(rid)
+            if seq is None:
+                raise NeuronWorkerError(f"vLLM scheduled request {rid}, which the worker does not know")
+            blocks = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                seq.blocks = list(blocks[0]) if blocks else []
+            elif blocks:
+                seq.blocks.extend(blocks[0])
+            seq.computed = int(cached.num_computed_tokens[i])
+
+    def execute_model(self, scheduler_output):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        so = scheduler_output
+        self._update_states(so)
+        order = list(so.num_scheduled_tokens)
+        if not order:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        self.stats["steps"] += 1
+        seqs = [self.seqs[r] for r in order]
+        prefill = [s for s in seqs if so.num_scheduled_tokens[s.req_id] > 1
+                   or s.computed + so.num_scheduled_tokens[s.req_id] < len(s.tokens())]
+        if prefill and len(seqs) > 1:
+            raise RuntimeError(MIXED_BATCH_ERROR.format(p=len(prefill), d=len(seqs) - len(prefill)))
+        if prefill:
+            emit, logits, tokens = self._prefill(prefill[0], so)
+            rows = [prefill[0]] if emit else []
+        else:
+            self._async_flow(order)
+            logits, tokens = self._decode(seqs)
+            rows = seqs
+        for s in seqs:
+            s.computed += so.num_scheduled_tokens[s.req_id]
+        index = {rid: i for i, rid in enumerate(order)}
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs = None
+        if rows:
+            if self.sampler is not None:
+                from vllm_npu.host_sampling import SampleRequest, scatter_logprobs
+
+                reqs = [SampleRequest(s.params, s.prompt, s.outputs, s.generator) for s in rows]
+                toks, lp = self.sampler.sample(logits, reqs)
+                logprobs = scatter_logprobs(lp, [index[s.req_id] for s in rows], len(order))
+            else:
+                toks = [int(t) for t in tokens]
+                logprobs = self._raw_logprobs(logits, rows, toks, [index[s.req_id] for s in rows], len(order))
+            for s, tok in zip(rows, toks):
+                sampled[index[s.req_id]] = [int(tok)]
+                s.outputs.append(int(tok))
+        return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
+                                 logprobs=logprobs, prompt_logprobs_dict={})
+
+    # ------------------------------------------------------------------ device calls
+
+    def _neff(self, name: str, tensor: str, want: int, largest: int) -> Any:
+        neff = self.neffs.get(name)
+        if neff is None:
+            raise recompile_error(name, tensor, largest, want)
+        return neff
+
+    def _run(self, name: str, label: str, what: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Execute NEFF ``name`` once, retried once on a runtime error (module docstring);
+        ``label`` is the ``neff_execution_count`` bucket name."""
+        neff = self.neffs[name]
+        feed = {k: self.nrt.NrtpyTensor.from_numpy(v, name=k) for k, v in inputs.items()}
+        feed["kv_cache"] = self.kv
+
+        def call():
+            out = neff(inputs=feed)
+            return {k: v.numpy() for k, v in out.items()}
+
+        try:
+            out = call()
+        except RuntimeError as first:
+            self.stats["retries"] += 1
+            logger.warning("Neuron %s failed; retrying once: %s", what, str(first).splitlines()[0])
+            try:
+                out = call()
+            except RuntimeError as second:
+                raise NeuronDeviceError(f"Neuron {what} failed twice: {str(second).splitlines()[0]}") from second
+        self.metrics.neff_executed(label)
+        return out
+
+    def _sampling_inputs(self, rows: list[_Seq], n: int) -> dict[str, np.ndarray]:
+        from vllm_npu.neuron.sampling import on_device_row
+
+        params = np.zeros((n, 3), np.float32)
+        rand = np.zeros((n,), np.float32)
+        for i, s in enumerate(rows):
+            p = s.params
+            params[i] = on_device_row(p.temperature, p.top_k, p.top_p, max_top_k=int(self.plan["max_top_k"]))
+            if s.generator is not None:
+                rand[i] = float(torch.rand(1, generator=s.generator).item())
+            else:
+                rand[i] = float(self._rng.random())
+        return {"sampling_params": params, "rand": rand}
+
+    def _slots(self, seq: _Seq, start: int, n: int) -> np.ndarray:
+        bs = int(self.plan["block_size"])
+        pos = np.arange(start, start + n)
+        blocks = np.asarray(seq.blocks, np.int64)
+        if len(pos) and pos[-1] // bs >= len(blocks):
+            raise NeuronWorkerError(f"request {seq.req_id}: position {int(pos[-1])} has no KV block "
+                                    f"({len(blocks)} blocks of {bs})")
+        return (blocks[pos // bs] * bs + pos % bs).astype(np.int32)
+
+    def _prefill(self, seq: _Seq, so) -> tuple[bool, np.ndarray, np.ndarray]:
+        n = int(so.num_scheduled_tokens[seq.req_id])
+        padded_map = getattr(so, "num_scheduled_tokens_padded", None) or {}
+        from vllm_npu.neuron.buckets import get_bucket_for_count
+
+        buckets = self.plan["num_batched_tokens_buckets"]
+        t = int(padded_map.get(seq.req_id) or get_bucket_for_count(n, buckets))
+        kv = int(self.plan["kv_segment"] or 0)
+        name = f"prefill_s{t}" + (f"_kv{kv}" if kv else "")
+        self._neff(name, "input_ids", n, int(buckets[-1]))
+        if n > t:
+            raise recompile_error(name, "input_ids", t, n)
+        start = seq.computed
+        ids = np.zeros(t, np.int32)
+        ids[:n] = seq.tokens()[start:start + n]
+        pos = np.full(t, start + n - 1, np.int32)
+        pos[:n] = np.arange(start, start + n)
+        slots = np.full(t, -1, np.int32)
+        slots[:n] = self._slots(seq, start, n)
+        max_blocks = math.ceil(int(self.plan["max_model_len"]) / int(self.plan["block_size"]))
+        table = np.full(max_blocks, -1, np.int32)
+        table[:len(seq.blocks)] = seq.blocks[:max_blocks]
+        inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table,
+                  "last_token_index": np.array([n - 1], np.int32)}
+        emit = start + n >= len(seq.tokens())
+        if self.plan["on_device_sampling"]:
+            inputs.update(self._sampling_inputs([seq], 1))
+        out = self._run(name, name, f"prefill of {seq.req_id} ({n} tokens on {name})", inputs)
+        self.stats["prefills"] += 1
+        self.stats["padded_tokens"] += t - n
+        return emit, out["logits"].reshape(1, -1), out.get("tokens", np.zeros(1, np.int32)).reshape(-1)
+
+    def _decode(self, seqs: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
+        from vllm_npu.neuron.buckets import decode_context_bucket, get_bucket_for_count
+
+        n = len(seqs)
+        b = int(get_bucket_for_count(n, self.plan["num_seqs_buckets"]))
+        max_len = int(self.plan["max_model_len"])
+        ctx_buckets = self.plan["decode_context_length_buckets"]
+        need = max(s.computed + 1 for s in seqs)
+        ctx = int(decode_context_bucket(need, ctx_buckets, max_len)) if ctx_buckets else max_len
+        name = f"decode_b{b}" + ("" if ctx == max_len else f"_s{ctx}")
+        self._neff(name, "input_ids", n, int(self.plan["num_seqs_buckets"][-1]))
+        if n > b:
+            raise recompile_error(name, "input_ids", b, n)
+        bs = int(self.plan["block_size"])
+        width = math.ceil(ctx / bs)
+        ids = np.zeros(b, np.int32)
+        pos = np.zeros(b, np.int32)
+        slots = np.full(b, -1, np.int32)
+        table = np.full((b, width), -1, np.int32)
+        for i, s in enumerate(seqs):
+            ids[i] = s.tokens()[s.computed]
+            pos[i] = s.computed
+            slots[i] = self._slots(s, s.computed, 1)[0]
+            k = min(len(s.blocks), width)
+            table[i, :k] = s.blocks[:k]
+        inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table}
+        if self.plan["on_device_sampling"]:
+            inputs.update(self._sampling_inputs(seqs, b))
+        # the NEFF-count label names the real request count (reference §2.5)
+        out = self._run(name, f"decode_b{n}", f"decode of {n} rows on {name}", inputs)
+        self.stats["decodes"] += 1
+        self.stats["padded_rows"] += b - n
+        return out["logits"][:n], out.get("tokens", np.zeros(b, np.int32))[:n]
+
+    def _raw_logprobs(self, logits: np.ndarray, rows: list[_Seq], toks: list[int], where: list[int], num_reqs: int):
+        """vLLM's ``LogprobsLists`` (raw logprobs of the device's logits) for the rows that asked."""
+        want = [int(s.params.logprobs) if s.params is not None and s.params.logprobs is not None else -1 for s in rows]
+        if max(want) < 0:
+            return None
+        from vllm.v1.outputs import LogprobsLists
+
+        vocab = logits.shape[1]
+        k = min(max(want), vocab)
+        x = logits.astype(np.float64)
+        lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
+        lp = (x - lse[:, None]).astype(np.float32)
+        ids = np.zeros((num_reqs, k + 1), np.int64)
+        vals = np.zeros((num_reqs, k + 1), np.float32)
+        ranks = np.zeros((num_reqs,), np.int64)
+        for r, (tok, i) in enumerate(zip(toks, where)):
+            order = np.lexsort((np.arange(vocab), -lp[r]))  # descending, lowest id first on ties
+            ids[i, 0], vals[i, 0] = tok, lp[r, tok]
+            ids[i, 1:], vals[i, 1:] = order[:k], lp[r, order[:k]]
+            ranks[i] = int((lp[r] > lp[r, tok]).sum()) + 1
+        return LogprobsLists(ids, vals, ranks, None)
+
+    def _async_flow(self, order: list[str]) -> None:
+        """Count the decode steps the async flow would overlap and those it would break
+        (the seed: MRv1 breaks when the batch composition or order changes; MRv2 only waits
+        when new requests join)."""
+        if not self.plan["async_scheduling"]:
+            return
+        prev, self._prev_ids = self._prev_ids, list(order)
+        if prev is None:
+            return
+        v2 = self.plan["runner"]["use_v2"]
+        joined = set(order) - set(prev)
+        if v2:
+            broken = "new requests joined" if joined else None
+        elif frozenset(order) != frozenset(prev):
+            broken = "batch composition changed"
+            logger.debug("Breaking async flow: prev_req_ids=%s, curr_req_ids=%s.", prev, order)
+        elif order != prev:
+            broken = "batch reordered"
+        else:
+            broken = None
+        self.stats["sync_fallback_steps" if broken else "async_steps"] += 1
+        total = self.stats["async_steps"] + self.stats["sync_fallback_steps"]
+        if total % ASYNC_LOG_EVERY == 0:
+            logger.info("Neuron async flow (Model Runner %s): %d async steps, %d sync fallbacks",
+                        "V2" if v2 else "V1", self.stats["async_steps"], self.stats["sync_fallback_steps"])
