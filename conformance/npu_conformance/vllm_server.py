@@ -174,3 +174,8 @@ def completion_ids(result: HttpResult) -> list[int]:
     ids = result.body["choices"][0].get("token_ids")
     assert ids is not None, f"no token_ids in {result.body}"
     return list(ids)
+
+
+def greedy_ids(server: Server, prompt: str | list[int], n: int = 16) -> list[int]:
+    """The ``n`` token ids a greedy completion of ``prompt`` returns (``ignore_eos``)."""
+    return completion_ids(server.complete(prompt, n, return_token_ids=True, ignore_eos=True))

@@ -22,6 +22,19 @@ class NpuWorker(WorkerBase):
     #: Device name used in messages (``MBLT``, ``RBLN``, ``Neuron``).
     npu_name: ClassVar[str] = "NPU"
 
+    @staticmethod
+    def platform_plan(vllm_config: Any, key: str, error: type[Exception], platform: str) -> dict[str, Any]:
+        """The plan the device's platform left in ``vllm_config.additional_config[key]``.
+
+        Raises:
+            error: there is none (the platform did not configure this engine).
+        """
+        extra = vllm_config.additional_config or {}
+        plan = extra.get(key) if isinstance(extra, dict) else None
+        if not isinstance(plan, dict):
+            raise error(f"the {platform} platform handed the worker no plan (additional_config[{key!r}])")
+        return plan
+
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """No host attention backend exists (the KV lives on the device), so every layout
         name is acceptable. ``WorkerBase``'s answer asks the attention-backend registry,

@@ -145,3 +145,20 @@ def glog(capsys) -> Callable[[], list[str]]:
         return out
 
     return details
+
+
+#: The environment variables ``npusim.neff`` reads.
+NEFF_ENV = ("NPUSIM_NEFF", "NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES")
+
+
+@pytest.fixture
+def neff_env(monkeypatch):
+    """``npusim.neff`` with none of its environment variables set and nothing loaded (reset
+    before and after the test)."""
+    import npusim.neff as nrt
+
+    for k in NEFF_ENV:
+        monkeypatch.delenv(k, raising=False)
+    nrt.reset()
+    yield
+    nrt.reset()

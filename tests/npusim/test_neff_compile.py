@@ -13,17 +13,9 @@ from npusim.llm import ModelConfig, save_safetensors
 from npusim.neff.compiler import model_bytes
 from npusim.tinymodel import make_config, make_weights
 
+pytestmark = pytest.mark.usefixtures("neff_env")
+
 GIB = 2**30
-ENV = ("NPUSIM_NEFF", "NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES")
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for k in ENV:
-        monkeypatch.delenv(k, raising=False)
-    nrt.reset()
-    yield
-    nrt.reset()
 
 
 @pytest.fixture(scope="module")

@@ -13,17 +13,9 @@ from npusim.neff.runtime import quantize_fp8_e4m3
 from npusim.neff.sampling import sample
 from npusim.tinymodel import make_config, make_weights
 
+pytestmark = pytest.mark.usefixtures("neff_env")
+
 BS, NB, MAXLEN = 8, 32, 64
-ENV = ("NPUSIM_NEFF", "NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES")
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for k in ENV:
-        monkeypatch.delenv(k, raising=False)
-    nrt.reset()
-    yield
-    nrt.reset()
 
 
 def _write_model(d, scale_k: float = 1.0):

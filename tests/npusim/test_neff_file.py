@@ -14,17 +14,9 @@ from npusim.llm import ModelConfig, save_safetensors
 from npusim.neff import neff_file
 from npusim.tinymodel import make_config, make_weights
 
-ENV = ("NPUSIM_NEFF", "NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES")
+pytestmark = pytest.mark.usefixtures("neff_env")
+
 SPEC = nrt.NeffSpec(kind="decode", batch=2, max_model_len=64, block_size=8, num_blocks=16)
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for k in ENV:
-        monkeypatch.delenv(k, raising=False)
-    nrt.reset()
-    yield
-    nrt.reset()
 
 
 @pytest.fixture

@@ -9,17 +9,9 @@ import pytest
 import npusim.neff as nrt
 from npusim.neff import config
 
+pytestmark = pytest.mark.usefixtures("neff_env")
+
 GIB = 2**30
-ENV = ("NPUSIM_NEFF", "NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NEURON_RT_VISIBLE_CORES")
-
-
-@pytest.fixture(autouse=True)
-def clean(monkeypatch):
-    for k in ENV:
-        monkeypatch.delenv(k, raising=False)
-    nrt.reset()
-    yield
-    nrt.reset()
 
 
 def test_versions():

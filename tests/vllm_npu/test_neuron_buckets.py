@@ -17,19 +17,6 @@ from vllm_npu.neuron.neuron_config import NeuronConfig
 LOGGER = "vllm.vllm_npu.neuron"
 
 
-@pytest.fixture
-def ncaplog(caplog):
-    """caplog seeing the neuron logger even if vLLM's logging config stopped propagation."""
-    chain = [logging.getLogger(n) for n in ("vllm", "vllm.vllm_npu", LOGGER)]
-    saved = [lg.propagate for lg in chain]
-    for lg in chain:
-        lg.propagate = True
-    caplog.set_level(logging.DEBUG, logger=LOGGER)
-    try:
-        yield caplog
-    finally:
-        for lg, value in zip(chain, saved):
-            lg.propagate = value
 
 
 def messages(caplog, level=None):
@@ -153,10 +140,10 @@ def test_kv_segment_size_buckets():
 # --------------------------------------------------------------------------------------------
 # segmented prefill
 
-def test_single_shot(ncaplog):
+def test_single_shot(neuron_caplog):
     assert B.resolve_segmented_prefill_config(4096, 4096) == (None, None)
     assert B.resolve_segmented_prefill_config(16384, 16384) == (None, None)
-    assert messages(ncaplog, logging.INFO) == [
+    assert messages(neuron_caplog, logging.INFO) == [
         "Segmented prefill disabled (single-shot prefill; max_num_batched_tokens == "
         "max_model_len)"] * 2
 
@@ -170,9 +157,9 @@ def test_single_shot_too_long():
         "[512, 1024, 2048, 4096, 8192] to enable chunked prefill.")
 
 
-def test_segmented_auto(ncaplog):
+def test_segmented_auto(neuron_caplog):
     assert B.resolve_segmented_prefill_config(8192, 131072) == ([8192], [8192])
-    assert messages(ncaplog, logging.INFO) == [
+    assert messages(neuron_caplog, logging.INFO) == [
         "Segmented prefill auto-enabled with kv_segment_size_buckets=[8192], "
         "num_batched_tokens_buckets=[8192]"]
 
@@ -208,16 +195,16 @@ def test_prefix_caching_needs_segmented():
 
 @pytest.mark.parametrize("count, expected", [(100, 128), (128, 128), (129, 256), (512, 512),
                                              (513, 1024), (1024, 1024)])
-def test_get_bucket_for_count(count, expected, ncaplog):
+def test_get_bucket_for_count(count, expected, neuron_caplog):
     assert B.get_bucket_for_count(count, [128, 256, 512, 1024]) == expected
-    assert messages(ncaplog) == []
+    assert messages(neuron_caplog) == []
 
 
-def test_get_bucket_overflow_and_zero(ncaplog):
+def test_get_bucket_overflow_and_zero(neuron_caplog):
     assert B.get_bucket_for_count(2000, [128, 256, 512, 1024]) == 1024
     assert B.get_bucket_for_count(0, [128, 256]) == 128
     assert B.get_bucket_for_count(-3, (4, 8)) == 4
-    assert messages(ncaplog, logging.WARNING) == [
+    assert messages(neuron_caplog, logging.WARNING) == [
         "Count 2000 exceeds all buckets [128, 256, 512, 1024], returning largest bucket 1024",
         "Count is 0, returning smallest bucket", "Count is -3, returning smallest bucket"]
     with pytest.raises(BucketConfigError):
@@ -244,11 +231,11 @@ def plan(**kw):
     return resolve_buckets(neuron_config=nc, **args)
 
 
-def test_resolve_defaults_single_shot(ncaplog):
+def test_resolve_defaults_single_shot(neuron_caplog):
     p = plan()
     assert p == BucketPlan((128, 256, 512, 1024, 2048, 4096), None, (1, 2, 4, 8), None, False,
                            4096, 4096, 8, 32)
-    assert messages(ncaplog, logging.INFO) == [
+    assert messages(neuron_caplog, logging.INFO) == [
         "Segmented prefill disabled (single-shot prefill; max_num_batched_tokens == max_model_len)",
         "Using default num_batched_tokens_buckets: [128, 256, 512, 1024, 2048, 4096]",
         "Using default num_seqs_buckets: [1, 2, 4, 8]"]
@@ -267,15 +254,15 @@ def test_resolve_m_is_min_with_max_model_len():
     assert p.max_num_batched_tokens == 2048 and not p.segmented
 
 
-def test_resolve_segmented_auto(ncaplog):
+def test_resolve_segmented_auto(neuron_caplog):
     p = plan(max_num_batched_tokens=1024, max_model_len=8192, enable_prefix_caching=True)
     assert p.segmented and p.kv_segment_size_buckets == (1024,)
     assert p.num_batched_tokens_buckets == (1024,)
     assert [p.target_name(t) for t in p.compile_targets()][:1] == ["prefill_s1024_kv1024"]
-    assert "Using default num_batched_tokens_buckets: [1024]" not in messages(ncaplog)
+    assert "Using default num_batched_tokens_buckets: [1024]" not in messages(neuron_caplog)
 
 
-def test_resolve_user_lists(ncaplog):
+def test_resolve_user_lists(neuron_caplog):
     nc = NeuronConfig.from_additional_config({"neuron_config": {
         "num_batched_tokens_buckets": [256, 512, 1024], "num_seqs_buckets": [2, 8],
         "decode_context_length_buckets": [1024, 2048]}})
@@ -285,8 +272,8 @@ def test_resolve_user_lists(ncaplog):
     assert p.num_seqs_buckets == (2, 8)
     assert p.decode_context_length_buckets == (1024, 2048)
     assert p.decode_context_targets == (1024, 2048, 4096)
-    assert "Using num_batched_tokens_buckets from config: [256, 512, 1024]" in messages(ncaplog)
-    assert "Using num_seqs_buckets from config: [2, 8]" in messages(ncaplog)
+    assert "Using num_batched_tokens_buckets from config: [256, 512, 1024]" in messages(neuron_caplog)
+    assert "Using num_seqs_buckets from config: [2, 8]" in messages(neuron_caplog)
     names = [p.target_name(t) for t in p.compile_targets()]
     assert names == ["prefill_s256_kv1024", "prefill_s512_kv1024", "prefill_s1024_kv1024",
                      "decode_b2_s1024", "decode_b2_s2048", "decode_b2",
@@ -303,11 +290,11 @@ def test_compile_targets_skip_bucket_above_segment():
                        {"kind": "prefill", "tokens": 1024, "kv_segment": 1024}]
 
 
-def test_resolve_explicit_kv_segments(ncaplog):
+def test_resolve_explicit_kv_segments(neuron_caplog):
     nc = NeuronConfig.from_additional_config({"neuron_config": {"kv_segment_size_buckets": [2048]}})
     p = plan(max_num_batched_tokens=2048, max_model_len=32768, nc=nc)
     assert p.kv_segment_size_buckets == (2048,) and p.num_batched_tokens_buckets == (2048,)
-    assert "Segmented prefill auto-enabled; num_batched_tokens_buckets=[2048]" in messages(ncaplog)
+    assert "Segmented prefill auto-enabled; num_batched_tokens_buckets=[2048]" in messages(neuron_caplog)
     # the segment list must cover M
     with pytest.raises(BucketConfigError, match=r"max_num_batched_tokens \(4096\), got 2048"):
         plan(max_num_batched_tokens=4096, max_model_len=32768, nc=nc)

@@ -13,18 +13,6 @@ from vllm_npu.neuron.memory import GIB, KvBudgetError, compute_kv_budget
 LOGGER = "vllm.vllm_npu.neuron"
 
 
-@pytest.fixture
-def ncaplog(caplog):
-    chain = [logging.getLogger(n) for n in ("vllm", "vllm.vllm_npu", LOGGER)]
-    saved = [lg.propagate for lg in chain]
-    for lg in chain:
-        lg.propagate = True
-    caplog.set_level(logging.DEBUG, logger=LOGGER)
-    try:
-        yield caplog
-    finally:
-        for lg, value in zip(chain, saved):
-            lg.propagate = value
 
 
 def logs(caplog, level):
@@ -64,7 +52,7 @@ def test_min_budget_and_headroom_env():
         M.reserved_headroom_gib({"VLLM_NEURON_RESERVED_HEADROOM_GIB": "x"})
 
 
-def test_default_policy_cap_binds(ncaplog):
+def test_default_policy_cap_binds(neuron_caplog):
     b = compute_kv_budget(logical_core_hbm_bytes=24 * GIB, model_weight_bytes=4 * GIB,
                           gpu_memory_utilization=0.9, env={})
     total = int(24 * GIB * 0.9)
@@ -73,7 +61,7 @@ def test_default_policy_cap_binds(ncaplog):
     assert b.heuristic_cap == int(total * 0.30) == b.available_bytes
     assert b.effective_gpu_memory_utilization == 0.9 and b.headroom_bytes is None
     assert b.cap_fraction == 0.30 and b.min_kv_budget_gib == 1.0
-    assert logs(ncaplog, logging.DEBUG) == [
+    assert logs(neuron_caplog, logging.DEBUG) == [
         f"KV cache heuristic: user_budget={total - 4 * GIB} cap={int(total * 0.3)} "
         f"(total_budget={total}, total_hbm={24 * GIB}, bytes_used={4 * GIB}, "
         f"cap_fraction=0.30), effective={int(total * 0.3)}"]
@@ -132,11 +120,11 @@ def test_minimum_error_headroom_mode_hint():
         "VLLM_NEURON_RESERVED_HEADROOM_GIB instead; do not increase it for this error.")
 
 
-def test_cpu_budget(ncaplog):
+def test_cpu_budget(neuron_caplog):
     b = M.compute_cpu_kv_budget(host_available_bytes=64 * GIB, local_world_size=4,
                                 gpu_memory_utilization=0.5, env={})
     assert b.mode == "cpu" and b.available_bytes == int(int(16 * GIB * 0.5) * 0.3)
-    assert logs(ncaplog, logging.INFO) == [
+    assert logs(neuron_caplog, logging.INFO) == [
         "Host memory: 64.00 GiB available, 4 local worker(s), 16.00 GiB fair-share per worker"]
     # no minimum check in CPU mode
     small = M.compute_cpu_kv_budget(host_available_bytes=GIB, local_world_size=2,
@@ -151,13 +139,13 @@ def test_cpu_budget(ncaplog):
                                 gpu_memory_utilization=0.5, env={})
 
 
-def test_page_bytes_and_blocks(ncaplog):
+def test_page_bytes_and_blocks(neuron_caplog):
     pb = M.page_bytes(num_layers=32, block_size=32, num_kv_heads=8, head_dim=128, dtype_bytes=2)
     assert pb == 2 * 32 * 32 * 8 * 128 * 2
     assert M.num_blocks(10 * pb + 5, pb) == 10
     assert M.num_blocks(-5, pb) == 0
     assert M.num_blocks(10 * pb, pb, 4096) == 4096
-    assert logs(ncaplog, logging.INFO) == [
+    assert logs(neuron_caplog, logging.INFO) == [
         "Overriding num_gpu_blocks=10 with num_gpu_blocks_override=4096"]
     with pytest.raises(ValueError):
         M.num_blocks(10, 0)
@@ -165,13 +153,13 @@ def test_page_bytes_and_blocks(ncaplog):
         M.num_blocks(10, 1, 0)
 
 
-def test_max_kv_concurrency(ncaplog):
+def test_max_kv_concurrency(neuron_caplog):
     assert M.max_kv_concurrency(4096, 4096, 32) == 32       # 128 blocks per sequence
     assert M.max_kv_concurrency(100, 4000, 32) == 0          # ceil(4000/32) = 125
     assert M.max_kv_concurrency(4096, 4096, 32, max_num_seqs=8) == 8
-    assert logs(ncaplog, logging.WARNING) == []
+    assert logs(neuron_caplog, logging.WARNING) == []
     assert M.max_kv_concurrency(1000, 4096, 32, max_num_seqs=16) == 7
-    assert logs(ncaplog, logging.WARNING) == [
+    assert logs(neuron_caplog, logging.WARNING) == [
         "max_num_seqs (16) exceeds worst-case KV cache capacity (7 concurrent requests at "
         "max_model_len=4096, 1000 blocks of 32 tokens). Effective concurrency will be capped "
         "at 7."]

@@ -3,7 +3,6 @@ parallelism rules (features guide; neuron.md §5)."""
 
 from __future__ import annotations
 
-import logging
 
 import pytest
 
@@ -92,22 +91,10 @@ def test_encoder_tp_dp():
     assert msg(r, 8, None, -1) == "vision dp_size must be a positive integer, got -1"
 
 
-@pytest.fixture
-def ncaplog(caplog):
-    chain = [logging.getLogger(n) for n in ("vllm", "vllm.vllm_npu", "vllm.vllm_npu.neuron")]
-    saved = [lg.propagate for lg in chain]
-    for lg in chain:
-        lg.propagate = True
-    caplog.set_level(logging.WARNING, logger="vllm.vllm_npu.neuron")
-    try:
-        yield caplog
-    finally:
-        for lg, value in zip(chain, saved):
-            lg.propagate = value
 
 
-def test_executor_backend(ncaplog):
-    caplog = ncaplog
+def test_executor_backend(neuron_caplog):
+    caplog = neuron_caplog
     r = PL.resolve_executor_backend
     assert r(None, world_size=1, env={}) == "uni"
     assert r(None, world_size=8, env={}) == "mp"

@@ -12,18 +12,6 @@ from vllm_npu.neuron.runner import (V2_LOG_LINE, RunnerChoice, RunnerInputs, par
 LOGGER = "vllm.vllm_npu.neuron"
 
 
-@pytest.fixture
-def ncaplog(caplog):
-    chain = [logging.getLogger(n) for n in ("vllm", "vllm.vllm_npu", LOGGER)]
-    saved = [lg.propagate for lg in chain]
-    for lg in chain:
-        lg.propagate = True
-    caplog.set_level(logging.DEBUG, logger=LOGGER)
-    try:
-        yield caplog
-    finally:
-        for lg, value in zip(chain, saved):
-            lg.propagate = value
 
 
 def logs(caplog):
@@ -73,28 +61,28 @@ def test_parse_env_invalid(value):
         select_runner(RunnerInputs(env_value=value))
 
 
-def test_default_dense_is_v2(ncaplog):
+def test_default_dense_is_v2(neuron_caplog):
     c = select_runner(RunnerInputs())
     assert c == RunnerChoice(True, "supported dense configuration", (), None)
-    assert logs(ncaplog) == []
+    assert logs(neuron_caplog) == []
     # raw logits is supported too, and so are TP/DP/async (not inputs at all)
     assert select_runner(RunnerInputs(logprobs_mode="raw_logits", data_parallel_size=4)).use_v2
 
 
 @pytest.mark.parametrize("field, name", MODEL_KINDS.items())
-def test_model_kinds_select_v1_silently(field, name, ncaplog):
+def test_model_kinds_select_v1_silently(field, name, neuron_caplog):
     c = select_runner(RunnerInputs(**{field: True}, lora=True))
     assert not c.use_v2 and c.features == (name,) and c.logged is None
-    assert logs(ncaplog) == []
+    assert logs(neuron_caplog) == []
 
 
 @pytest.mark.parametrize("field, value_name", DENSE_FEATURES.items())
-def test_dense_features_select_v1_with_log(field, value_name, ncaplog):
+def test_dense_features_select_v1_with_log(field, value_name, neuron_caplog):
     value, name = value_name
     c = select_runner(RunnerInputs(**{field: value}))
     text = f"Neuron Model Runner V2 does not yet support {name}; using V1."
     assert c == RunnerChoice(False, "unsupported features", (name,), text)
-    assert logs(ncaplog) == [(logging.INFO, text)]
+    assert logs(neuron_caplog) == [(logging.INFO, text)]
 
 
 def test_several_features_listed():
@@ -104,33 +92,33 @@ def test_several_features_listed():
 
 
 @pytest.mark.parametrize("env", ["0", "false", "off"])
-def test_forced_v1(env, ncaplog):
+def test_forced_v1(env, neuron_caplog):
     c = select_runner(RunnerInputs(env_value=env))
-    assert not c.use_v2 and c.logged is None and logs(ncaplog) == []
+    assert not c.use_v2 and c.logged is None and logs(neuron_caplog) == []
 
 
-def test_forced_v2_clean(ncaplog):
+def test_forced_v2_clean(neuron_caplog):
     c = select_runner(RunnerInputs(env_value="1"))
-    assert c.use_v2 and c.logged is None and logs(ncaplog) == []
+    assert c.use_v2 and c.logged is None and logs(neuron_caplog) == []
 
 
-def test_forced_v2_warns_for_unsupported(ncaplog):
+def test_forced_v2_warns_for_unsupported(neuron_caplog):
     c = select_runner(RunnerInputs(env_value="1", lora=True, multimodal=True))
     text = ("VLLM_USE_V2_MODEL_RUNNER=1 forces Neuron Model Runner V2 with unsupported features "
             "(multimodal, LoRA); execution may fail.")
     assert c.use_v2 and c.logged == text and c.features == ("multimodal", "LoRA")
-    assert logs(ncaplog) == [(logging.WARNING, text)]
+    assert logs(neuron_caplog) == [(logging.WARNING, text)]
 
 
 @pytest.mark.parametrize("kw", [{"is_moe": True}, {"expert_parallel": True},
                                 {"sliding_window": True},
                                 {"is_moe": True, "expert_parallel": True, "sliding_window": True}])
-def test_forced_v2_moe_without_dp_and_sliding_window_no_warning(kw, ncaplog):
+def test_forced_v2_moe_without_dp_and_sliding_window_no_warning(kw, neuron_caplog):
     c = select_runner(RunnerInputs(env_value="1", **kw))
-    assert c.use_v2 and c.logged is None and logs(ncaplog) == []
+    assert c.use_v2 and c.logged is None and logs(neuron_caplog) == []
 
 
-def test_forced_v2_moe_with_dp_warns(ncaplog):
+def test_forced_v2_moe_with_dp_warns(neuron_caplog):
     c = select_runner(RunnerInputs(env_value="1", is_moe=True, expert_parallel=True,
                                    sliding_window=True, data_parallel_size=2))
     assert c.use_v2
@@ -139,6 +127,6 @@ def test_forced_v2_moe_with_dp_warns(ncaplog):
                         "parallelism with data parallelism); execution may fail.")
 
 
-def test_model_kind_wins_over_features_when_unset(ncaplog):
+def test_model_kind_wins_over_features_when_unset(neuron_caplog):
     c = select_runner(RunnerInputs(pooling=True, speculative_decoding=True))
     assert not c.use_v2 and c.features == ("pooling",) and c.logged is None

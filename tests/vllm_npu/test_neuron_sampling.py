@@ -11,18 +11,6 @@ from vllm_npu.neuron import sampling as S
 LOGGER = "vllm.vllm_npu.neuron"
 
 
-@pytest.fixture
-def ncaplog(caplog):
-    chain = [logging.getLogger(n) for n in ("vllm", "vllm.vllm_npu", LOGGER)]
-    saved = [lg.propagate for lg in chain]
-    for lg in chain:
-        lg.propagate = True
-    caplog.set_level(logging.DEBUG, logger=LOGGER)
-    try:
-        yield caplog
-    finally:
-        for lg, value in zip(chain, saved):
-            lg.propagate = value
 
 
 def test_row_defaults():
@@ -91,7 +79,7 @@ def test_several_refusals_in_order():
     assert got == ["presence_penalty", "min_p", "n"]
 
 
-def test_check_async(ncaplog):
+def test_check_async(neuron_caplog):
     assert S.check_async(False, False, True, True) is False
     assert S.check_async(True, True, False, False) is True
     with pytest.raises(RuntimeError) as info:
@@ -101,7 +89,7 @@ def test_check_async(ncaplog):
         S.check_async(True, True, True, False)
     assert str(info.value) == ("Structured outputs with async scheduling is not supported. "
                                "Disable async scheduling with: --no-async-scheduling")
-    assert [r.getMessage() for r in ncaplog.records] == []
+    assert [r.getMessage() for r in neuron_caplog.records] == []
     assert S.check_async(True, False, True, True) is False
-    assert [(r.levelno, r.getMessage()) for r in ncaplog.records] == [
+    assert [(r.levelno, r.getMessage()) for r in neuron_caplog.records] == [
         (logging.WARNING, S.SPECULATIVE_DISABLES_ASYNC)]

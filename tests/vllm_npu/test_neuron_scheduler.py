@@ -8,7 +8,6 @@ every request finishes, checking the Neuron invariants on every step.
 
 from __future__ import annotations
 
-import logging
 import random
 from dataclasses import dataclass, field
 
@@ -44,20 +43,6 @@ def model_config(tmp_path_factory):
                        skip_tokenizer_init=True)
 
 
-@pytest.fixture
-def neuron_caplog(caplog):
-    """``caplog`` seeing ``vllm.vllm_npu.neuron`` at DEBUG (vLLM's logging config stops
-    ``vllm.*`` records from reaching the root logger)."""
-    chain = [logging.getLogger(n) for n in ("vllm", "vllm.vllm_npu", "vllm.vllm_npu.neuron")]
-    saved = [lg.propagate for lg in chain]
-    for lg in chain:
-        lg.propagate = True
-    caplog.set_level(logging.DEBUG, logger="vllm.vllm_npu.neuron")
-    try:
-        yield caplog
-    finally:
-        for lg, value in zip(chain, saved):
-            lg.propagate = value
 
 
 def make_scheduler(model_config, *, num_blocks=400, max_num_seqs=8, prefix_caching=True,

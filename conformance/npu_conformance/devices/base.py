@@ -66,6 +66,21 @@ HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
 )
 
 
+def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` random token ids in [10, 1000) (inside every real vocabulary
+    and the tiny models' 1024, above their special tokens), reproducible from ``seed``."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
+
+
+def golden_ids(lab: DeviceLab, prompt: Sequence[int], n: int) -> list[int] | None:
+    """The golden decoder's ``n`` greedy tokens after ``prompt``; None on hardware."""
+    golden = lab.golden()
+    return None if golden is None else [int(t) for t in golden.generate_greedy(list(prompt), n)]
+
+
 @dataclass(frozen=True)
 class FaultPlan:
     """A server with an injected device fault.
@@ -180,3 +195,60 @@ class DeviceLab:
         for srv in self.servers.values():
             srv.stop()
         self.servers.clear()
+
+
+@dataclass
+class TinyModelLab(DeviceLab):
+    """A lab serving a Hugging Face model directory that the plugin compiles at engine start
+    (RBLN, Neuron): the standard tiny llama on a simulator target (or, on hardware, the
+    directory named by :attr:`model_env`), its golden decoder, and a compile cache of this
+    session (``VLLM_CACHE_ROOT``) shared by every server the lab starts."""
+
+    _hf_dir: Path | None = None
+    _golden: Any = None
+    _cache_root: Path | None = None
+
+    #: Variable naming another model directory on hardware (``NPU_HARNESS_RBLN_MODEL``...).
+    model_env: ClassVar[str] = ""
+    #: ``tinymodel.build`` overrides of the standard tiny llama, and its directory name.
+    tiny_overrides: ClassVar[Mapping[str, Any]] = {}
+    tiny_name: ClassVar[str] = "tiny-llama"
+
+    @property
+    def cache_root(self) -> Path:
+        """``VLLM_CACHE_ROOT`` of this session's servers (the compile cache lives under it)."""
+        if self._cache_root is None:
+            self._cache_root = self.workdir / "vllm-cache"
+            self._cache_root.mkdir(parents=True, exist_ok=True)
+        return self._cache_root
+
+    def env(self, **extra: str) -> dict[str, str]:
+        """The target's vLLM environment with this session's ``VLLM_CACHE_ROOT`` (``extra`` wins)."""
+        return vs.vllm_env(self.target, **{"VLLM_CACHE_ROOT": str(self.cache_root), **extra})
+
+    def named_model(self) -> str:
+        """The directory :attr:`model_env` names on a hardware target, else ``""``."""
+        import os
+
+        return "" if self.simulated else os.environ.get(self.model_env, "")
+
+    def hf_dir(self) -> Path:
+        """The model the servers serve (built once per session unless :meth:`named_model`)."""
+        if self._hf_dir is None:
+            if self.named_model():
+                self._hf_dir = Path(self.named_model())
+            else:
+                from npusim import tinymodel
+
+                self._hf_dir = tinymodel.build("llama", self.workdir / self.tiny_name, **dict(self.tiny_overrides))
+        return self._hf_dir
+
+    def golden(self):
+        """The golden decoder of the tiny model (None when a named model is served on hardware)."""
+        if self.named_model():
+            return None
+        if self._golden is None:
+            from npusim.llm import Decoder
+
+            self._golden = Decoder.from_pretrained(self.hf_dir())
+        return self._golden

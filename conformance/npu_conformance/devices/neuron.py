@@ -21,7 +21,6 @@ stops, so every request in flight gets an error.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_NEURON_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -38,65 +37,21 @@ SERVING_ARGS: tuple[str, ...] = ("--max-num-batched-tokens", "512", "--max-num-s
 
 #: What ``NeuronPlatform.validate_request`` refuses with on-device sampling (the default).
 ODS_REFUSALS: tuple[Refusal, ...] = (
-    Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
-    Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
-    Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
-    Refusal("min_tokens", {"min_tokens": 2}),
-    Refusal("logit_bias", {"logit_bias": {"5": 10}}),
-    Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
+    *HOST_SAMPLER_REFUSALS,
     Refusal("presence_penalty", {"presence_penalty": 0.5}),
     Refusal("frequency_penalty", {"frequency_penalty": 0.5}),
     Refusal("repetition_penalty", {"repetition_penalty": 1.2}),
-    Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
-    Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
-    Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
 )
 
 
 @dataclass
-class NeuronLab(DeviceLab):
+class NeuronLab(TinyModelLab):
     """Per-session model, compile cache and servers for one Neuron target."""
 
-    _hf_dir: Path | None = None
-    _golden: Any = None
-    _cache_root: Path | None = None
-
+    model_env: ClassVar[str] = MODEL_ENV
     device: ClassVar[str] = "neuron"
     max_model_len: ClassVar[int] = 1024
     refusals: ClassVar[tuple[Refusal, ...]] = ODS_REFUSALS
-
-    @property
-    def cache_root(self) -> Path:
-        """``VLLM_CACHE_ROOT`` of this session's servers (the compile cache lives under it)."""
-        if self._cache_root is None:
-            self._cache_root = self.workdir / "vllm-cache"
-            self._cache_root.mkdir(parents=True, exist_ok=True)
-        return self._cache_root
-
-    def env(self, **extra: str) -> dict[str, str]:
-        """The target's vLLM environment with this session's ``VLLM_CACHE_ROOT`` (``extra`` wins)."""
-        return vs.vllm_env(self.target, **{"VLLM_CACHE_ROOT": str(self.cache_root), **extra})
-
-    def hf_dir(self) -> Path:
-        """The model the servers serve (built once per session unless ``NPU_HARNESS_NEURON_MODEL``)."""
-        if self._hf_dir is None:
-            named = os.environ.get(MODEL_ENV, "")
-            if named and not self.simulated:
-                self._hf_dir = Path(named)
-            else:
-                from npusim import tinymodel
-
-                self._hf_dir = tinymodel.build("llama", self.workdir / "tiny-llama")
-        return self._hf_dir
-
-    def golden(self):
-        if not self.simulated and os.environ.get(MODEL_ENV):
-            return None
-        if self._golden is None:
-            from npusim.llm import Decoder
-
-            self._golden = Decoder.from_pretrained(self.hf_dir())
-        return self._golden
 
     def serving_args(self, **override: str) -> list[str]:
         """``--max-model-len`` and :data:`SERVING_ARGS`, with ``override`` (``{"--max-num-seqs": "4"}``)."""

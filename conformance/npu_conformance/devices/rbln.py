@@ -22,13 +22,11 @@ every request in flight gets an error.
 from __future__ import annotations
 
 import json
-import os
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -41,51 +39,16 @@ TINY_OVERRIDES: dict[str, Any] = {"head_dim": 64}
 
 
 @dataclass
-class RblnLab(DeviceLab):
+class RblnLab(TinyModelLab):
     """Per-session models, compile cache and servers for one RBLN target."""
 
-    _hf_dir: Path | None = None
-    _golden: Any = None
-    _cache_root: Path | None = None
-
+    model_env: ClassVar[str] = MODEL_ENV
+    tiny_overrides: ClassVar[dict[str, Any]] = TINY_OVERRIDES
+    tiny_name: ClassVar[str] = "tiny-llama-hd64"
     device: ClassVar[str] = "rbln"
     max_model_len: ClassVar[int] = 1024
     #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
     refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
-
-    @property
-    def cache_root(self) -> Path:
-        """``VLLM_CACHE_ROOT`` of this session's servers (the compile cache lives under it)."""
-        if self._cache_root is None:
-            self._cache_root = self.workdir / "vllm-cache"
-            self._cache_root.mkdir(parents=True, exist_ok=True)
-        return self._cache_root
-
-    def env(self, **extra: str) -> dict[str, str]:
-        """The target's vLLM environment with this session's ``VLLM_CACHE_ROOT`` (``extra`` wins)."""
-        return vs.vllm_env(self.target, **{"VLLM_CACHE_ROOT": str(self.cache_root), **extra})
-
-    def hf_dir(self) -> Path:
-        """The model the servers serve (built once per session unless ``NPU_HARNESS_RBLN_MODEL``)."""
-        if self._hf_dir is None:
-            named = os.environ.get(MODEL_ENV, "")
-            if named and not self.simulated:
-                self._hf_dir = Path(named)
-            else:
-                from npusim import tinymodel
-
-                self._hf_dir = tinymodel.build("llama", self.workdir / "tiny-llama-hd64", **TINY_OVERRIDES)
-        return self._hf_dir
-
-    def golden(self):
-        """The golden decoder of the tiny model (None when a named model is served on hardware)."""
-        if not self.simulated and os.environ.get(MODEL_ENV):
-            return None
-        if self._golden is None:
-            from npusim.llm import Decoder
-
-            self._golden = Decoder.from_pretrained(self.hf_dir())
-        return self._golden
 
     def serving_server(self) -> vs.Server:
         return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS])

@@ -30,21 +30,16 @@ import json
 import re
 import time
 
-import numpy as np
 import pytest
 
 from npu_conformance.devices.base import ArtifactUnavailable
+from npu_conformance.devices.base import random_prompts as _prompts
 from npu_conformance.vllm_server import completion_ids
 
 pytestmark = pytest.mark.scenario(devices=("mblt",))
 
 MAX_MODEL_LEN = "1024"
 SEED_CHUNKS = {"single": 64, "global4": 256, "global8": 512}
-
-
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
 
 
 def _lab(device_labs, target):

@@ -19,6 +19,8 @@ and the planning tool ``npu-harness neuron plan``, which runs the platform's own
   with its message from the planning tool, and one of them from a real ``vllm serve`` start;
 * ``memory_budget``: the default and headroom formulas' figures, and the failure modes
   (below-minimum budget, bad cap fraction) from the plan and from a real start;
+* ``async_flow``: the same workload on MRv2 and MRv1 (``VLLM_USE_V2_MODEL_RUNNER=0``): MRv1
+  counts a sync fallback whenever a request finishes, MRv2 only when requests join;
 * ``metrics``: every ``vllm_neuron:`` metric on ``/metrics`` with its type and labels;
 * ``warm_start_and_compiled_artifacts``: a second start with the same configuration loads every
   NEFF from the compile cache; ``NEURON_COMPILED_ARTIFACTS`` empty is filled, then loaded from.
@@ -31,30 +33,17 @@ import json
 import re
 import shutil
 
-import numpy as np
 import pytest
 
 from npu_conformance import vllm_server as vs
 from npu_conformance.devices import neuron as nd
-from npu_conformance.vllm_server import completion_ids
+from npu_conformance.devices.base import golden_ids as _golden
+from npu_conformance.devices.base import random_prompts as _prompts
+from npu_conformance.vllm_server import greedy_ids as _ids
 
 pytestmark = pytest.mark.scenario(devices=("neuron",))
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)$')
-
-
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
-
-
-def _golden(lab, prompt: list[int], n: int) -> list[int] | None:
-    g = lab.golden()
-    return None if g is None else [int(t) for t in g.generate_greedy(list(prompt), n)]
-
-
-def _ids(server, prompt, n=16) -> list[int]:
-    return completion_ids(server.complete(prompt, n, return_token_ids=True, ignore_eos=True))
 
 
 def _metrics(server) -> dict[tuple[str, str], float]:
@@ -278,6 +267,46 @@ def test_memory_budget(target, record, device_labs):
     assert "Computed KV cache budget is below minimum threshold." in log
     record.figure("fractional_cap_gib", round(b["available_bytes"] / 2**30, 3))
     record.figure("headroom_gib", round(h["available_bytes"] / 2**30, 3))
+
+
+_ASYNC_LINE = re.compile(r"Neuron async flow \(Model Runner (V[12])\): (\d+) async steps, (\d+) sync fallbacks")
+
+
+def _async_counts(log: str) -> tuple[str, int, int]:
+    found = _ASYNC_LINE.findall(log)
+    assert found, "no async-flow line logged"
+    runner, steps, fallbacks = found[-1]
+    return runner, int(steps), int(fallbacks)
+
+
+def test_async_flow(target, record, device_labs):
+    """The same workload (4 requests finishing at different steps) on MRv2 and MRv1: the seed's
+    MRv1 breaks the async flow whenever the batch composition changes, MRv2 only when new
+    requests join."""
+    lab = device_labs(target.name)
+    prompts = _prompts(4, 16, seed=41)
+    lengths = (40, 80, 120, 180)
+
+    def run(server) -> str:
+        with cf.ThreadPoolExecutor(4) as ex:
+            outs = list(ex.map(lambda pl: _ids(server, pl[0], pl[1]), zip(prompts, lengths)))
+        for p, n, o in zip(prompts, lengths, outs):
+            _check_golden(lab, [p], [o], n)
+        return server.log_text()
+
+    counts = []
+    for i, env in enumerate(({}, {"VLLM_USE_V2_MODEL_RUNNER": "0"})):  # a fresh server each: fresh counters
+        srv = vs.start(lab.hf_dir(), lab.serving_args(), env=lab.env(**env), log=lab.workdir / f"async-{i}.log")
+        try:
+            counts.append(_async_counts(run(srv)))
+        finally:
+            srv.stop()
+    (r2, _s2, fb2), (r1, _s1, fb1) = counts
+    assert (r1, r2) == ("V1", "V2")
+    assert fb1 >= 3, f"MRv1: {fb1} sync fallbacks for 3 finishing requests"
+    assert fb2 < fb1, f"MRv2 ({fb2}) must break the async flow less often than MRv1 ({fb1})"
+    record.figure("v1_sync_fallbacks", fb1)
+    record.figure("v2_sync_fallbacks", fb2)
 
 
 _METRICS = {

@@ -31,30 +31,17 @@ import re
 import shutil
 import time
 
-import numpy as np
 import pytest
 
 from npu_conformance import vllm_server as vs
 from npu_conformance.devices import rbln as rd
-from npu_conformance.vllm_server import completion_ids
+from npu_conformance.devices.base import golden_ids as _golden
+from npu_conformance.devices.base import random_prompts as _prompts
+from npu_conformance.vllm_server import greedy_ids as _ids
 
 pytestmark = pytest.mark.scenario(devices=("rbln",))
 
 LEN = "1024"
-
-
-def _prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
-    rng = np.random.default_rng(seed)
-    return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
-
-
-def _golden(lab, prompt: list[int], n: int) -> list[int] | None:
-    g = lab.golden()
-    return None if g is None else [int(t) for t in g.generate_greedy(list(prompt), n)]
-
-
-def _ids(server, prompt, n=16) -> list[int]:
-    return completion_ids(server.complete(prompt, n, return_token_ids=True, ignore_eos=True))
 
 
 def _unsupported_arch_dir(lab):

@@ -100,12 +100,8 @@ class NeuronWorker(NpuWorker):
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False) -> None:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
-        extra = vllm_config.additional_config or {}
-        plan = extra.get(PLAN_KEY) if isinstance(extra, dict) else None
-        if not isinstance(plan, dict):
-            raise NeuronWorkerError("the Neuron platform handed the worker no plan (additional_config)")
-        self.plan = plan
-        self.target = plan["target"]
+        self.plan = self.platform_plan(vllm_config, PLAN_KEY, NeuronWorkerError, "Neuron")
+        self.target = self.plan["target"]
         self.nrt: Any = None
         self.device_info: Any = None
         self.neffs: dict[str, Any] = {}

@@ -81,11 +81,7 @@ class RblnOptimumWorker(NpuWorker):
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False) -> None:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
-        extra = vllm_config.additional_config or {}
-        plan = extra.get(PLAN_KEY) if isinstance(extra, dict) else None
-        if not isinstance(plan, dict):
-            raise RblnWorkerError("the RBLN platform handed the worker no compile plan (additional_config)")
-        self.plan = plan
+        self.plan = self.platform_plan(vllm_config, PLAN_KEY, RblnWorkerError, "RBLN")
         self.model: Any = None
         self.spec: cp.CompiledModelSpec | None = None
         self.table: SequenceTable | None = None

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from . import config
 from .errors import NeffConfigError, NeffTargetError
@@ -107,6 +108,24 @@ def logical_nc_config() -> int:
     return int(raw)
 
 
+#: The variables the device model reads; its answers are cached per value of them.
+_ENV_VARS = ("NEURON_PLATFORM_TARGET_OVERRIDE", "NEURON_LOGICAL_NC_CONFIG", "NPUSIM_NEFF", "NEURON_RT_VISIBLE_CORES")
+_CACHE: dict[tuple, Any] = {}
+
+
+def _cached(name: str, arg: Any, compute):
+    """``compute()`` memoized on ``(name, arg)`` and the current values of :data:`_ENV_VARS`
+    (every device call asks; the environment rarely changes)."""
+    key = (name, arg, tuple(os.environ.get(v) for v in _ENV_VARS))
+    try:
+        return _CACHE[key]
+    except KeyError:
+        if len(_CACHE) > 256:
+            _CACHE.clear()
+        value = _CACHE[key] = compute()
+        return value
+
+
 def device_info(target: str | None = None) -> DeviceInfo:
     """The simulated device (``target`` defaults to :func:`get_platform_target`).
 
@@ -114,6 +133,10 @@ def device_info(target: str | None = None) -> DeviceInfo:
         NeffTargetError: unknown target.
         NeffConfigError: malformed ``$NPUSIM_NEFF`` or ``$NEURON_LOGICAL_NC_CONFIG``.
     """
+    return _cached("device_info", target, lambda: _device_info(target))
+
+
+def _device_info(target: str | None) -> DeviceInfo:
     target = check_target(target) if target is not None else get_platform_target()
     s = config.settings()
     lnc = logical_nc_config()
@@ -146,18 +169,22 @@ def visible_cores() -> list[int]:
         NeffConfigError: malformed variable.
         NrtError (``NRT_LOAD_NOT_ENOUGH_NC``): it names a core the instance does not have.
     """
+    return list(_cached("visible_cores", None, _visible_cores))
+
+
+def _visible_cores() -> tuple[int, ...]:
     from .errors import NrtError, nrt_message
 
     n = device_info().logical_cores
     raw = os.environ.get("NEURON_RT_VISIBLE_CORES", "").strip()
     if not raw:
-        return list(range(n))
+        return tuple(range(n))
     cores = _parse_cores(raw)
     missing = [c for c in cores if c >= n]
     if missing:
         raise NrtError(nrt_message("NRT_LOAD_NOT_ENOUGH_NC",
                                    f"NeuronCore(s) not available - Requested: {raw} Available: 0-{n - 1}"))
-    return cores
+    return tuple(cores)
 
 
 def get_nc_count() -> int:
