@@ -42,7 +42,6 @@ class PlanInputs:
     model_dir: str
     model_name: str
     model_type: str
-    architectures: tuple[str, ...]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -60,7 +59,6 @@ class PlanInputs:
     block_size: int
     num_gpu_blocks_override: int | None
     enable_prefix_caching: bool
-    enable_chunked_prefill: bool
     gpu_memory_utilization: float
     kv_cache_dtype: str
     tensor_parallel_size: int

@@ -28,7 +28,6 @@ flow would overlap or break (:meth:`vllm_npu.neuron.worker.NeuronWorker._async_f
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from pathlib import Path
@@ -69,7 +68,7 @@ def plan_inputs(vllm_config: Any, async_scheduling: bool, environ: dict[str, str
     quant = getattr(hf, "quantization_config", None)
     return PlanInputs(
         model_dir=str(mc.model), model_name=str(mc.served_model_name or mc.model),
-        model_type=str(getattr(hf, "model_type", "")), architectures=tuple(getattr(hf, "architectures", None) or ()),
+        model_type=str(getattr(hf, "model_type", "")),
         num_layers=int(text.num_hidden_layers), num_kv_heads=int(getattr(text, "num_key_value_heads", heads) or heads),
         head_dim=head_dim, is_moe=experts > 1, sliding_window=sliding,
         multimodal=bool(getattr(mc, "is_multimodal_model", False)),
@@ -82,7 +81,7 @@ def plan_inputs(vllm_config: Any, async_scheduling: bool, environ: dict[str, str
         max_num_batched_tokens=int(sched.max_num_batched_tokens) if sched.max_num_batched_tokens else None,
         block_size=int(cache.block_size) if cache.user_specified_block_size else DEFAULT_BLOCK_SIZE,
         num_gpu_blocks_override=cache.num_gpu_blocks_override,
-        enable_prefix_caching=bool(cache.enable_prefix_caching), enable_chunked_prefill=bool(sched.enable_chunked_prefill),
+        enable_prefix_caching=bool(cache.enable_prefix_caching),
         gpu_memory_utilization=float(cache.gpu_memory_utilization), kv_cache_dtype=str(cache.cache_dtype),
         tensor_parallel_size=int(par.tensor_parallel_size), data_parallel_size=int(par.data_parallel_size),
         pipeline_parallel_size=int(par.pipeline_parallel_size),
@@ -214,8 +213,3 @@ class NeuronPlatform(NpuPlatform):
     @classmethod
     def log_warnings(cls) -> None:
         logger.info("Neuron platform active (NPU_HARNESS_TARGET=%s)", os.environ.get("NPU_HARNESS_TARGET", ""))
-
-
-def describe(plan: dict[str, Any]) -> str:
-    """The plan as indented JSON (``npu-harness neuron plan``)."""
-    return json.dumps(plan, indent=2, sort_keys=True, default=str)

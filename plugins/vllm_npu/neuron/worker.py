@@ -202,7 +202,7 @@ class NeuronWorker(NpuWorker):
         t0 = time.perf_counter()
         targets = self.plan["compile_targets"]
         fields = [self._spec_fields(t) for t in targets]
-        names = [self._target_name(t) for t in targets]
+        names = list(self.plan["compile_target_names"])
         fingerprint = cc.model_fingerprint(self.plan["model_dir"])
         platform_target = self.device_info.target
         keys = [cc.cache_key(f, model_fingerprint=fingerprint, platform_target=platform_target,
@@ -270,12 +270,6 @@ class NeuronWorker(NpuWorker):
                     "context": int(p["max_model_len"]), **common}
         return {"kind": "decode", "tokens": 1, "batch": int(t["batch"]), "kv_segment": 0,
                 "context": int(t["context"]), **common}
-
-    def _target_name(self, t: dict[str, Any]) -> str:
-        if t["kind"] == "prefill":
-            return f"prefill_s{t['tokens']}" + (f"_kv{t['kv_segment']}" if t["kv_segment"] else "")
-        ctx = int(t["context"])
-        return f"decode_b{t['batch']}" + ("" if ctx == int(self.plan["max_model_len"]) else f"_s{ctx}")
 
     def check_health(self) -> None:
         if not self.neffs:
@@ -419,12 +413,11 @@ class NeuronWorker(NpuWorker):
     def _prefill(self, seq: _Seq, so) -> tuple[bool, np.ndarray, np.ndarray]:
         n = int(so.num_scheduled_tokens[seq.req_id])
         padded_map = getattr(so, "num_scheduled_tokens_padded", None) or {}
-        from vllm_npu.neuron.buckets import get_bucket_for_count
+        from vllm_npu.neuron.buckets import get_bucket_for_count, target_name
 
         buckets = self.plan["num_batched_tokens_buckets"]
         t = int(padded_map.get(seq.req_id) or get_bucket_for_count(n, buckets))
-        kv = int(self.plan["kv_segment"] or 0)
-        name = f"prefill_s{t}" + (f"_kv{kv}" if kv else "")
+        name = target_name({"kind": "prefill", "tokens": t, "kv_segment": int(self.plan["kv_segment"] or 0)})
         self._neff(name, "input_ids", n, int(buckets[-1]))
         if n > t:
             raise recompile_error(name, "input_ids", t, n)
@@ -449,7 +442,7 @@ class NeuronWorker(NpuWorker):
         return emit, out["logits"].reshape(1, -1), out.get("tokens", np.zeros(1, np.int32)).reshape(-1)
 
     def _decode(self, seqs: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
-        from vllm_npu.neuron.buckets import decode_context_bucket, get_bucket_for_count
+        from vllm_npu.neuron.buckets import decode_context_bucket, get_bucket_for_count, target_name
 
         n = len(seqs)
         b = int(get_bucket_for_count(n, self.plan["num_seqs_buckets"]))
@@ -457,7 +450,7 @@ class NeuronWorker(NpuWorker):
         ctx_buckets = self.plan["decode_context_length_buckets"]
         need = max(s.computed + 1 for s in seqs)
         ctx = int(decode_context_bucket(need, ctx_buckets, max_len)) if ctx_buckets else max_len
-        name = f"decode_b{b}" + ("" if ctx == max_len else f"_s{ctx}")
+        name = target_name({"kind": "decode", "batch": b, "context": ctx}, max_len)
         self._neff(name, "input_ids", n, int(self.plan["num_seqs_buckets"][-1]))
         if n > b:
             raise recompile_error(name, "input_ids", b, n)
