@@ -16,6 +16,9 @@ This base holds the parts that do not depend on the device:
 - :meth:`NpuPlatform.pre_register_and_update`: ``--middleware`` defaults to
   :class:`vllm_npu.stream_errors.StreamErrorStatusMiddleware`, so a streamed request the
   plugin refuses is an HTTP 400 like the same request unstreamed;
+- :mod:`vllm_npu.torch_accelerator`: ``torch.accelerator.empty_cache`` / ``empty_host_cache``
+  do nothing while torch has no accelerator, so vLLM's ``cleanup_dist_env_and_memory()`` (its
+  test conftest's teardown) works under these platforms;
 - the device-neutral answers: dtypes, no pinned memory, no device memory, ``no_grad``
   inference, and no attention backend to size the block for.
 
@@ -31,7 +34,10 @@ from typing import Any, ClassVar
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from vllm_npu import cpu_kernels, stream_errors
+from vllm_npu import cpu_kernels, stream_errors, torch_accelerator
+
+# vLLM's cleanup_dist_env_and_memory() calls torch.accelerator on any non-CPU platform.
+torch_accelerator.install()
 
 
 class NpuPlatform(Platform):
@@ -136,7 +142,7 @@ class NpuPlatform(Platform):
 
 
 def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: type[Exception],
-                     prompt_logprobs_reason: str = "") -> None:
+                     prompt_logprobs_reason: str = "", serves_prompt_logprobs: bool = False) -> None:
     """What a device worker with host sampling (:mod:`vllm_npu.host_sampling`) cannot honour,
     refused in ``Platform.validate_request`` so that vLLM answers HTTP 400 naming it.
 
@@ -145,11 +151,14 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         error: the device's request-error class (a ``VLLMValidationError`` subclass taking
             ``parameter=``; anything else becomes an HTTP 500).
         prompt_logprobs_reason: appended to the prompt-logprobs refusal (why).
+        serves_prompt_logprobs: the worker returns ``prompt_logprobs`` (MBLT); else they are
+            refused.
 
     Raises:
-        error: pooling requests, prompt embeddings, prompt logprobs, structured outputs,
-            ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or
-            ``logprob_token_ids`` (each named; ``parameter`` is the first).
+        error: pooling requests, prompt embeddings, prompt logprobs (unless served),
+            structured outputs, ``min_p``, ``min_tokens``, ``logit_bias``,
+            ``allowed_token_ids``, ``logprob_token_ids``, ``prompt_logprob_token_ids`` or
+            ``thinking_token_budget`` (each named; ``parameter`` is the first).
     """
     from vllm.sampling_params import SamplingParams
 
@@ -159,7 +168,7 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         raise error(f"the {worker} takes token prompts only: prompt_embeds is not supported",
                     parameter="prompt_embeds")
     refused: list[tuple[str, str]] = []  # (parameter, text)
-    if params.prompt_logprobs is not None:
+    if params.prompt_logprobs is not None and not serves_prompt_logprobs:
         refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}{prompt_logprobs_reason}"))
     if params.structured_outputs is not None:
         refused.append(("response_format", "structured outputs (response_format / guided decoding)"))
@@ -173,6 +182,10 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         refused.append(("allowed_token_ids", "allowed_token_ids"))
     if params.logprob_token_ids:
         refused.append(("logprob_token_ids", "logprob_token_ids"))
+    if getattr(params, "prompt_logprob_token_ids", None) is not None:
+        refused.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids"))
+    if getattr(params, "thinking_token_budget", None) not in (None, -1):  # -1: unlimited, i.e. unset
+        refused.append(("thinking_token_budget", f"thinking_token_budget={params.thinking_token_budget}"))
     if refused:
         raise error(
             f"the {worker} samples on the host with temperature, top_p, top_k, seed, "

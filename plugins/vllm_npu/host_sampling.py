@@ -30,6 +30,17 @@ def penalties_enabled(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(PENALTIES_ENV, "1").strip().lower() not in _FALSE
 
 
+def num_logprobs(params: object, vocab_size: int) -> int | None:
+    """How many top logprobs a request asked for: None when it asked for none, the whole
+    vocabulary for ``logprobs=-1`` (vLLM's meaning of -1, as its own input batch reads it),
+    else the number, at most ``vocab_size``."""
+    n = getattr(params, "logprobs", None) if params is not None else None
+    if n is None:
+        return None
+    n = int(n)
+    return int(vocab_size) if n == -1 else min(n, int(vocab_size))
+
+
 @dataclass
 class SampleRequest:
     """What the sampler needs of one request: its params, ids so far and its generator."""
@@ -108,7 +119,7 @@ class HostSampler:
             for i, r in enumerate(reqs):
                 arr[i, : len(r.prompt_ids)] = r.prompt_ids
             prompt_tensor = torch.from_numpy(arr)
-        logprobs = [r.params.logprobs for r in reqs if r.params.logprobs is not None]
+        logprobs = [n for r in reqs if (n := num_logprobs(r.params, self.vocab_size)) is not None]
         bad_words = {i: r.params.bad_words_token_ids for i, r in enumerate(reqs)
                      if getattr(r.params, "bad_words_token_ids", None)}
         return SamplingMetadata(

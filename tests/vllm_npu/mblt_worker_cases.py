@@ -61,13 +61,15 @@ def golden(hf_dir):
 
 @pytest.fixture(scope="module")
 def artifact(hf_dir, tmp_path_factory):
-    """``artifact(name, k, cache=256, drop_batch_key=False)`` -> compiled artifact dir (memoized)."""
+    """``artifact(name, k, cache=256, drop_batch_key=False, logits="last")`` -> compiled artifact
+    dir (memoized)."""
     made: dict = {}
 
-    def make(name, k, cache=256, drop_batch_key=False):
+    def make(name, k, cache=256, drop_batch_key=False, logits="last"):
         if name not in made:
             out = compile_artifact(hf_dir, tmp_path_factory.mktemp(name), max_batch_size=k,
-                                   max_cache_size=cache, prefill_chunk_size=CHUNK, max_width=CHUNK)
+                                   max_cache_size=cache, prefill_chunk_size=CHUNK, max_width=CHUNK,
+                                   output_logits=logits)
             if drop_batch_key:
                 cfg_path = out / "config.json"
                 cfg = json.loads(cfg_path.read_text())
@@ -658,3 +660,84 @@ def test_repetition_penalty_changes_the_greedy_continuation(artifact, make_worke
     assert without == golden(p, 8)
     assert without[2] == without[5]  # the repeat the penalty should remove
     assert with_pen[:5] == without[:5] and with_pen[5] != without[5]
+
+
+# ---------------------------------------------------------------------- prompt logprobs
+def _golden_prompt_logprobs(hf_dir, prompt):
+    """The golden decoder's log-softmax after each prompt position ``[P, vocab]`` (float64)."""
+    dec = Decoder.from_pretrained(hf_dir)
+    logits = dec.prefill(prompt, dec.new_cache(len(prompt))).astype(np.float64)
+    m = logits.max(axis=1, keepdims=True)
+    return logits - (m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True)))
+
+
+def _run_collecting_prompt_logprobs(d, rids):
+    got = {}
+    while any(not d.reqs[r].done for r in rids):
+        out = d.step([r for r in rids if not d.reqs[r].done])
+        for rid, t in out.prompt_logprobs_dict.items():
+            assert rid not in got, f"{rid}: prompt logprobs returned twice"
+            got[rid] = t
+    return got
+
+
+#: |served - golden| bound on a prompt logprob (nats): both are float32 forward passes of the
+#: same weights; chunked vs one-token feeding changes only the summation order.
+PROMPT_LOGPROB_ATOL = 2e-4
+
+
+@pytest.mark.parametrize(("name", "k", "logits"), [("k4", 4, "last"), ("k1", 1, "last"), ("k4all", 4, "all")],
+                         ids=["batch-last-microsteps", "nonbatch-last-microsteps", "batch-all-one-infer"])
+def test_prompt_logprobs_equal_golden_log_softmax(artifact, make_worker, golden, hf_dir, mblt_log, name, k, logits):
+    """prompt_logprobs=3 beside an ordinary request, prefilled in chunks of 7: every prompt
+    position's logprob of the next prompt token and its top 3 equal the golden decoder's
+    log-softmax; last-logit MXQs take one microstep per scored position, full-sequence ones
+    none; the ordinary request's tokens stay golden."""
+    from vllm import SamplingParams
+
+    w = make_worker(artifact(name, k, logits=logits))
+    d = Driver(w, chunk=7)
+    pa, pb = prompts(11, 29, 23)
+    d.add("plp", pa, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=3))
+    d.add("plain", pb, greedy(5))
+    got = _run_collecting_prompt_logprobs(d, ["plp", "plain"])
+    assert d.reqs["plp"].out == golden(pa, 3) and d.reqs["plain"].out == golden(pb, 5)
+    assert set(got) == {"plp"}
+    t = got["plp"]
+    gold = _golden_prompt_logprobs(hf_dir, pa)
+    ids, vals, ranks = t.logprob_token_ids.numpy(), t.logprobs.numpy(), t.selected_token_ranks.numpy()
+    assert ids.shape == (len(pa) - 1, 4) and vals.shape == ids.shape
+    for p in range(len(pa) - 1):
+        tok = pa[p + 1]
+        assert ids[p, 0] == tok
+        assert abs(vals[p, 0] - gold[p, tok]) <= PROMPT_LOGPROB_ATOL, (p, vals[p, 0], gold[p, tok])
+        top = np.argsort(-gold[p], kind="stable")[:3]
+        assert list(ids[p, 1:]) == list(top), (p, ids[p, 1:], top)
+        assert np.abs(vals[p, 1:] - gold[p, top]).max() <= PROMPT_LOGPROB_ATOL
+        assert ranks[p] == int((gold[p] > gold[p, tok]).sum()) + 1
+    micro = w.stats["prompt_logprob_microsteps"]
+    assert micro == (len(pa) - 1 if logits == "last" else 0), micro
+    text = "\n".join(mblt_log)
+    path = "1-token microsteps" if logits == "last" else "one infer per chunk"
+    assert f"MBLT prompt logprobs for req_id=plp ({len(pa) - 1} positions, top 3): {path}" in text, text[-2000:]
+
+
+def test_prompt_logprobs_survive_preemption_mid_prompt(artifact, make_worker, hf_dir):
+    """Preempted halfway through its prompt and recomputed from 0 (vLLM never gives a
+    prompt-logprobs request a prefix hit), the request still returns every position once."""
+    from vllm import SamplingParams
+
+    w = make_worker(artifact("k4", 4))
+    d = Driver(w, chunk=7)
+    (pa,) = prompts(12, 30)
+    d.add("plp", pa, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=0))
+    d.step(["plp"])
+    d.step(["plp"])
+    d.preempt("plp")
+    d.flush()
+    d.resume("plp", 0)
+    got = _run_collecting_prompt_logprobs(d, ["plp"])
+    gold = _golden_prompt_logprobs(hf_dir, pa)
+    vals = got["plp"].logprobs.numpy()[:, 0]
+    want = np.array([gold[p, pa[p + 1]] for p in range(len(pa) - 1)])
+    assert np.abs(vals - want).max() <= PROMPT_LOGPROB_ATOL

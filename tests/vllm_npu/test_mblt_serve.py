@@ -14,7 +14,9 @@ start (or only have to print their scheduler plan) run concurrently with its sta
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import threading
 import time
@@ -114,8 +116,9 @@ class _Side:
         self.log = log
         self.until = until
         self._fh = open(log, "w")  # noqa: SIM115 - closed in wait()
+        # its own process group: stop() ends the engine-core child with it
         self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     env=vllm_server.vllm_env("mblt-sim"))
+                                     env=vllm_server.vllm_env("mblt-sim"), start_new_session=True)
         self.seen = threading.Event()
         if until:  # stop it as soon as the line is logged: it need not finish starting
             threading.Thread(target=self._watch, daemon=True).start()
@@ -125,7 +128,7 @@ class _Side:
         while self.proc.poll() is None and time.monotonic() < deadline:
             if self.until in self.text():
                 self.seen.set()
-                self.proc.terminate()
+                self.stop_process()
                 return
             time.sleep(0.5)
 
@@ -136,7 +139,7 @@ class _Side:
         """(exit code, log); with ``until``, stop the process once that text is logged (code None)."""
         deadline = time.monotonic() + SIDE_TIMEOUT_S
         try:
-            while self.proc.poll() is None and time.monotonic() < deadline:
+            while self.proc.poll() is None and time.monotonic() < deadline and not self.seen.is_set():
                 time.sleep(0.5)
             if self.until:
                 return (None if self.seen.is_set() else self.proc.poll()), self.text()
@@ -144,15 +147,26 @@ class _Side:
         finally:
             self.stop()
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
+    def stop_process(self) -> None:
+        """SIGTERM to the process group, SIGKILL after 30 s (a server interrupted while its
+        engine core is still starting may not exit on SIGTERM)."""
+        if self.proc.poll() is not None:
+            return
+        for sig, grace in ((signal.SIGTERM, 30), (signal.SIGKILL, None)):
             try:
-                self.proc.wait(timeout=30)
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(timeout=grace)
+                return
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._fh.close()
+                continue
+
+    def stop(self) -> None:
+        self.stop_process()
+        if not self._fh.closed:
+            self._fh.close()
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +189,8 @@ def server(artifacts, side_runs, tmp_path_factory):  # noqa: ARG001 - side runs 
     trace_dir = tmp_path_factory.mktemp("traces")
     env = vllm_server.vllm_env("mblt-sim", VLLM_TORCH_PROFILER_DIR=str(trace_dir),
                                VLLM_MBLT_ENABLE_SAMPLING_PENALTIES="0")
-    srv = vllm_server.start(artifacts["main"], env=env, log=artifacts["root"] / "serve.log")
+    # --max-logprobs -1: the full-vocabulary logprobs=-1 requests of vLLM's own tests
+    srv = vllm_server.start(artifacts["main"], ["--max-logprobs", "-1"], env=env, log=artifacts["root"] / "serve.log")
     srv.trace_dir = trace_dir
     yield srv
     srv.stop()
@@ -309,7 +324,8 @@ def test_concurrent_requests_equal_solo(client, server, golden):
 
 
 REFUSALS = [  # (parameter named in the error, API, request arguments)
-    ("prompt_logprobs", "completions", {"extra_body": {"prompt_logprobs": 1}}),
+    ("min_p", "completions", {"temperature": 0.8, "extra_body": {"min_p": 0.1}}),
+    ("allowed_token_ids", "completions", {"extra_body": {"allowed_token_ids": [5, 6]}}),
     ("logit_bias", "completions", {"logit_bias": {"5": 2.0}}),
     ("min_tokens", "completions", {"temperature": 0.8, "extra_body": {"min_tokens": 3}}),
     ("response_format", "chat", {"response_format": {"type": "json_object"}}),
@@ -336,9 +352,7 @@ def test_unsupported_parameter_is_http_400_naming_it(client, server, golden, par
     body = info.value.body if isinstance(info.value.body, dict) else {}
     body = body.get("error", body)
     assert body.get("param") == param, info.value.body
-    # vLLM itself refuses streamed prompt logprobs before the platform sees the request
-    origin = "not available when `stream=True`" if (stream and param == "prompt_logprobs") else "MBLT worker"
-    assert origin in body.get("message", ""), info.value.body
+    assert "MBLT worker" in body.get("message", ""), info.value.body
     _assert_healthy(client, server, golden)
 
 
@@ -354,6 +368,148 @@ def _assert_healthy(client, server, golden):
     assert server.request("GET", "/health").status == 200
     prompt_ids, out_ids, _ = _complete_ids(client, server, PROMPTS[3], n=6)
     assert out_ids == golden(prompt_ids, 6)
+
+
+# ----------------------------------------------------------------------------- logprobs
+
+
+@pytest.fixture(scope="module")
+def golden_log_softmax(artifacts):
+    """``golden_log_softmax(ids)`` -> the golden decoder's log-softmax after each position
+    ``[len(ids), vocab]`` (float64)."""
+    import numpy as np
+
+    dec = Decoder.from_pretrained(artifacts["hf"])
+
+    def run(ids):
+        x = dec.prefill(list(ids), dec.new_cache(len(ids))).astype(np.float64)
+        m = x.max(axis=1, keepdims=True)
+        return x - (m + np.log(np.exp(x - m).sum(axis=1, keepdims=True)))
+
+    return run
+
+
+#: |served - golden| bound on a logprob (nats): float32 forward passes of the same weights, fed
+#: in chunks (served) or whole (golden).
+LOGPROB_ATOL = 2e-4
+
+
+def _echo(client, server, prompt, n=2, logprobs=1):
+    r = client.completions.create(model=server.model, prompt=prompt, max_tokens=n, temperature=0, echo=True,
+                                  logprobs=logprobs, extra_body={"return_token_ids": True, "ignore_eos": True})
+    return r.choices[0]
+
+
+def test_echo_logprobs_equal_golden_for_every_prompt_position(client, server, golden, golden_log_softmax):
+    """lm-eval's loglikelihood request (``echo`` + ``logprobs``): the first prompt token has no
+    logprob, every other one is the golden decoder's log-softmax of it given the tokens before,
+    and the generated tokens are golden. Served by the 1-token microstep path (the MXQ emits
+    the last position's logits), which the server log names."""
+    prompt = PROMPTS[1] + " and then" * 30  # longer than the 64-token prefill chunk
+    ch = _echo(client, server, prompt, n=3, logprobs=2)
+    prompt_ids = list(_extra(ch, "prompt_token_ids"))
+    out_ids = list(_extra(ch, "token_ids"))
+    assert len(prompt_ids) > 64 and out_ids == golden(prompt_ids, 3)
+    lp = ch.logprobs.token_logprobs
+    assert len(lp) == len(prompt_ids) + 3 and lp[0] is None
+    gold = golden_log_softmax(prompt_ids + out_ids)
+    for p in range(1, len(prompt_ids) + 3):
+        tok = (prompt_ids + out_ids)[p]
+        assert abs(lp[p] - gold[p - 1, tok]) <= LOGPROB_ATOL, (p, lp[p], gold[p - 1, tok])
+        assert len(ch.logprobs.top_logprobs[p]) >= 2
+    log = server.log_text()
+    assert "Prompt logprobs on last-logit MBLT/MXQ outputs use a slower 1-token microstep path." in log
+    assert re.search(rf"MBLT prompt logprobs for req_id=\S+ \({len(prompt_ids) - 1} positions, top 2\): "
+                     r"1-token microsteps", log), log[-3000:]
+
+
+def test_prompt_logprobs_top_k_equal_golden(server, golden_log_softmax, tokenizer):
+    """``prompt_logprobs=3`` (vLLM's field): per position the prompt token and the golden top 3,
+    with their ranks."""
+    import numpy as np
+
+    res = server.request("POST", "/v1/completions", {"model": server.model, "prompt": PROMPTS[0], "max_tokens": 1,
+                                                      "temperature": 0, "prompt_logprobs": 3})
+    assert res.status == 200, res
+    plp = res.body["choices"][0]["prompt_logprobs"]
+    ids = tokenizer(PROMPTS[0])["input_ids"]
+    assert len(plp) == len(ids) and plp[0] is None
+    gold = golden_log_softmax(ids)
+    for p in range(1, len(ids)):
+        entry = {int(k): v for k, v in plp[p].items()}
+        top = [int(t) for t in np.argsort(-gold[p - 1], kind="stable")[:3]]
+        assert set(top) <= set(entry), (p, top, entry)
+        for tok in {ids[p], *top}:
+            assert abs(entry[tok]["logprob"] - gold[p - 1, tok]) <= LOGPROB_ATOL
+            assert entry[tok]["rank"] == int((gold[p - 1] > gold[p - 1, tok]).sum()) + 1
+
+
+def test_concurrent_echo_and_ordinary_requests_do_not_disturb_each_other(client, server, golden):
+    """4 echo+logprobs requests and 4 ordinary ones at once (K=4 slots: queueing, batching and
+    microsteps interleave): every echo answer equals the same request alone, every ordinary
+    answer is golden."""
+    echo_prompts = [f"{p} echo {i}" + " again" * (i * 9) for i, p in enumerate(PROMPTS)]
+    plain_prompts = [f"{p} plain {i}" + " more" * (i * 11) for i, p in enumerate(PROMPTS)]
+    solo = {p: _echo(client, server, p) for p in echo_prompts}
+    barrier = threading.Barrier(8)
+
+    def echo(p):
+        barrier.wait()
+        return _echo(client, server, p)
+
+    def plain(p):
+        barrier.wait()
+        return _complete_ids(client, server, p)
+
+    with ThreadPoolExecutor(8) as pool:
+        echoes = [pool.submit(echo, p) for p in echo_prompts]
+        plains = [pool.submit(plain, p) for p in plain_prompts]
+        for p, fut in zip(echo_prompts, echoes):
+            ch = fut.result()
+            assert ch.logprobs.token_logprobs == solo[p].logprobs.token_logprobs, p
+            assert list(_extra(ch, "token_ids")) == list(_extra(solo[p], "token_ids"))
+        for fut in plains:
+            prompt_ids, out_ids, _ch = fut.result()
+            assert out_ids == golden(prompt_ids)
+    _assert_healthy(client, server, golden)
+
+
+def test_chat_echo_without_logprobs_is_served(client, server, golden):
+    """vLLM's chat protocol turns ``echo`` into ``prompt_logprobs = top_logprobs`` (0): once
+    refused as "prompt_logprobs=0", a parameter the client never sent. Now it is served: the
+    answer echoes the last message and its generated tokens are golden."""
+    messages = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, I am"}]
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=6, temperature=0,
+                                       extra_body={"echo": True, "return_token_ids": True, "ignore_eos": True,
+                                                   "add_generation_prompt": False, "continue_final_message": True})
+    prompt_ids = list(_extra(r, "prompt_token_ids"))
+    out_ids = list(_extra(r.choices[0], "token_ids"))
+    assert out_ids == golden(prompt_ids, 6)
+    # vLLM echoes a final assistant message, and (as on its native backend) returns the
+    # prompt's logprobs that echo implied
+    assert r.choices[0].message.content.startswith(messages[-1]["content"]), r.choices[0].message.content
+    plp = _extra(r, "prompt_logprobs")
+    assert plp is not None and len(plp) == len(prompt_ids) and plp[0] is None
+
+
+def test_logprobs_minus_one_is_the_full_vocabulary(client, server, golden, golden_log_softmax, tokenizer):
+    """``logprobs=-1`` (completions) and ``top_logprobs=-1`` (chat) mean the whole vocabulary in
+    vLLM. They once killed the engine (``IndexError`` in the worker); now chat returns every
+    token's logprob, completions the golden values, and the server stays healthy."""
+    r = client.chat.completions.create(model=server.model, messages=CHATS[0], max_tokens=2, temperature=0,
+                                       logprobs=True, top_logprobs=-1,
+                                       extra_body={"return_token_ids": True, "ignore_eos": True})
+    vocab = len(golden_log_softmax([5])[0])
+    content = r.choices[0].logprobs.content
+    assert len(content) == 2 and all(len(c.top_logprobs) == vocab for c in content), [len(c.top_logprobs) for c in content]
+    ch = client.completions.create(model=server.model, prompt=PROMPTS[2], max_tokens=3, temperature=0, logprobs=-1,
+                                   extra_body={"return_token_ids": True, "ignore_eos": True}).choices[0]
+    prompt_ids, out_ids = list(_extra(ch, "prompt_token_ids")), list(_extra(ch, "token_ids"))
+    assert out_ids == golden(prompt_ids, 3)
+    gold = golden_log_softmax(prompt_ids + out_ids)
+    for i, tok in enumerate(out_ids):
+        assert abs(ch.logprobs.token_logprobs[i] - gold[len(prompt_ids) - 1 + i, tok]) <= LOGPROB_ATOL
+    _assert_healthy(client, server, golden)
 
 
 # ----------------------------------------------------------------------------- penalties switch

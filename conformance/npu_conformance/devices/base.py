@@ -51,11 +51,17 @@ class Refusal:
     endpoint: str = "completions"
 
 
-#: What a worker with host sampling refuses (``vllm_npu._platform.refuse_unsampled``). ``min_p``
-#: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
-HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
+#: The prompt logprobs a worker that cannot score prompt positions refuses (RBLN, Neuron: their
+#: compiled programs return the last position's logits only). MBLT serves them.
+PROMPT_LOGPROBS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
     Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
+)
+
+#: What every worker with host sampling refuses (``vllm_npu._platform.refuse_unsampled``).
+#: ``min_p`` needs a temperature: vLLM clears it for greedy requests before the platform sees
+#: them.
+HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
     Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
     Refusal("min_tokens", {"min_tokens": 2}),
     Refusal("logit_bias", {"logit_bias": {"5": 10}}),
@@ -63,6 +69,7 @@ HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
     Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
     Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
     Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
+    Refusal("thinking_token_budget", {"thinking_token_budget": 8}),
 )
 
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_NEURON_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -37,6 +37,7 @@ SERVING_ARGS: tuple[str, ...] = ("--max-num-batched-tokens", "512", "--max-num-s
 
 #: What ``NeuronPlatform.validate_request`` refuses with on-device sampling (the default).
 ODS_REFUSALS: tuple[Refusal, ...] = (
+    *PROMPT_LOGPROBS_REFUSALS,
     *HOST_SAMPLER_REFUSALS,
     Refusal("presence_penalty", {"presence_penalty": 0.5}),
     Refusal("frequency_penalty", {"frequency_penalty": 0.5}),

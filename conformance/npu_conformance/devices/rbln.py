@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -48,7 +48,7 @@ class RblnLab(TinyModelLab):
     device: ClassVar[str] = "rbln"
     max_model_len: ClassVar[int] = 1024
     #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
-    refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
+    refusals: ClassVar[tuple[Refusal, ...]] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
 
     def serving_server(self) -> vs.Server:
         return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS])

@@ -113,11 +113,14 @@ class MbltPlatform(NpuPlatform):
         """Refuse what the MBLT worker would otherwise ignore (vLLM answers HTTP 400).
 
         Raises:
-            MbltRequestError: pooling requests, prompt embeddings, prompt logprobs,
-                structured outputs, ``min_p``, ``min_tokens``, ``logit_bias``,
-                ``allowed_token_ids`` or ``logprob_token_ids`` (each named).
+            MbltRequestError: pooling requests, prompt embeddings, structured outputs,
+                ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids``,
+                ``logprob_token_ids``, ``prompt_logprob_token_ids`` or
+                ``thinking_token_budget`` (each named). Prompt logprobs are served
+                (:mod:`vllm_npu.mblt.prompt_logprobs`).
         """
-        refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError)
+        refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError,
+                         serves_prompt_logprobs=True)
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -19,6 +19,12 @@ Per step:
    tokens ``[cache_len, scheduled_end)`` run in pieces of at most ``max_width``, rows of
    different slots in one dispatch;
 4. requests whose prompt is complete sample on the host (:mod:`vllm_npu.host_sampling`).
+
+Prompt logprobs (``prompt_logprobs``, and ``echo`` with logprobs) are scored as the prompt is
+computed (:mod:`vllm_npu.mblt.prompt_logprobs`): one infer per chunk on an MXQ that emits every
+position's logits, else the seed's 1-token microstep path for that request (the others in its
+dispatch keep their chunk width). vLLM never gives such a request a prefix-cache hit, so it is
+never started from a snapshot; when it finishes, its KV becomes a snapshot like any other.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
 from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
+from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs, requested_prompt_logprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.sampling import HostSampler, SampleRequest
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
@@ -78,6 +85,8 @@ class _Req:
     generator: torch.Generator | None
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    #: the prompt-logprob rows being filled (None: not asked, or already returned)
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -126,7 +135,9 @@ class MbltWorker(NpuWorker):
         self.tracer = None
         self.short_cache_warnings = 0
         self.kv_cache_config = None
-        self.stats = {"prefix_loads": 0, "prefix_recomputes": 0, "steps": 0, "infer_retries": 0}
+        self.stats = {"prefix_loads": 0, "prefix_recomputes": 0, "steps": 0, "infer_retries": 0,
+                      "prompt_logprob_microsteps": 0}
+        self._microstep_warned = False
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -366,6 +377,17 @@ class MbltWorker(NpuWorker):
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
                   RequestKV(self._slot_for(vslot)), vslot, gen)
         st.num_computed = new.num_computed_tokens
+        assert self.backend is not None
+        k = requested_prompt_logprobs(params, self.backend.vocab_size)
+        if k is not None:
+            st.prompt_logprobs = PromptLogprobs(new.req_id, st.prompt_ids, k)
+            path = "one infer per chunk (full-sequence logits)" if self.backend.output_layout == "all" \
+                else "1-token microsteps (last-position logits)"
+            logger.info("MBLT prompt logprobs for req_id=%s (%d positions, top %d): %s",
+                        new.req_id, st.prompt_logprobs.num_rows, k, path)
+            if self.backend.output_layout != "all" and not self._microstep_warned:
+                self._microstep_warned = True
+                logger.warning(MICROSTEP_WARNING)
         self.reqs[new.req_id] = st
 
     def _resume(self, st: _Req) -> None:
@@ -466,12 +488,17 @@ class MbltWorker(NpuWorker):
                 sampled[i] = [int(tok)]
                 work[i][0].output_ids.append(int(tok))
             logprobs = scatter_logprobs(lp, to_sample, len(order))
+        prompt_logprobs = {}
+        for st, end in work:  # the step that completes a prompt returns its prompt logprobs
+            if st.prompt_logprobs is not None and end >= len(st.prompt_ids):
+                prompt_logprobs[st.req_id] = st.prompt_logprobs.tensors()
+                st.prompt_logprobs = None
         return ModelRunnerOutput(
             req_ids=order,
             req_id_to_index={rid: i for i, rid in enumerate(order)},
             sampled_token_ids=sampled,
             logprobs=logprobs,
-            prompt_logprobs_dict={},
+            prompt_logprobs_dict=prompt_logprobs,
         )
 
     def _infer(self, rows: list[Row]) -> list[np.ndarray]:
@@ -516,13 +543,21 @@ class MbltWorker(NpuWorker):
             self._run_rounds(group, out)
         return [o if o is None or o.ndim == 1 else o[-1] for o in out]
 
-    def _run_rounds(self, pending: list[list], out: list[np.ndarray | None]) -> None:
-        """Feed each ``[index, request, ids, start]`` its next ``max_width`` tokens per round,
-        every bound request in one dispatch, until all reach the end of their ids."""
+    def _piece_width(self, st: _Req, start: int) -> int:
+        """Tokens of ``st`` to feed from ``start`` in one round: ``max_width``, or 1 while a
+        last-logit MXQ scores its prompt (the microstep path)."""
         assert self.backend is not None
-        width = self.backend.max_width
+        plp = st.prompt_logprobs
+        if plp is not None and plp.needs_logits_at(start) and self.backend.output_layout != "all":
+            return 1
+        return self.backend.max_width
+
+    def _run_rounds(self, pending: list[list], out: list[np.ndarray | None]) -> None:
+        """Feed each ``[index, request, ids, start]`` its next piece (:meth:`_piece_width`)
+        per round, every bound request in one dispatch, until all reach the end of their ids.
+        A request asking for prompt logprobs scores each piece's positions as they come."""
         while pending:
-            pieces = [ids[start:start + width] for _i, _st, ids, start in pending]
+            pieces = [ids[start:start + self._piece_width(st, start)] for _i, st, ids, start in pending]
             rows = [Row(*st.kv.slot, self.embeddings[piece], start)
                     for (_i, st, _ids, start), piece in zip(pending, pieces)]
             for item, piece, r in zip(pending, pieces, self._infer(rows)):
@@ -530,4 +565,13 @@ class MbltWorker(NpuWorker):
                 st.kv.note_write(start, piece)
                 out[i] = r
                 item[3] = start + len(piece)
+                if st.prompt_logprobs is not None and st.prompt_logprobs.needs_logits_at(start):
+                    if len(piece) > 1 and r.ndim == 1:
+                        raise MbltWorkerError(
+                            f"req_id={st.req_id}: the MXQ returned one logits row for {len(piece)} "
+                            "tokens; prompt logprobs need the microstep path on last-logit outputs"
+                        )
+                    if len(piece) == 1:
+                        self.stats["prompt_logprob_microsteps"] += 1
+                    st.prompt_logprobs.record(start, r)
             pending = [item for item in pending if item[3] < len(item[2])]

@@ -206,6 +206,11 @@ class NeuronPlatform(NpuPlatform):
                                                "grammar bitmask is not applied by the simulated NEFFs, issue 11)"))
         if params.logprob_token_ids:
             refused.append(("logprob_token_ids", "logprob_token_ids"))
+        if getattr(params, "prompt_logprob_token_ids", None) is not None:
+            refused.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids is not supported"))
+        if getattr(params, "thinking_token_budget", None) not in (None, -1):
+            refused.append(("thinking_token_budget", f"thinking_token_budget={params.thinking_token_budget} is not "
+                                                     "supported (no reasoning-budget logits processor runs)"))
         if refused:
             raise NeuronRequestError(" ".join(text if text.endswith(".") else text + "." for _p, text in refused),
                                      parameter=refused[0][0])

@@ -477,13 +477,15 @@ class NeuronWorker(NpuWorker):
 
     def _raw_logprobs(self, logits: np.ndarray, rows: list[_Seq], toks: list[int], where: list[int], num_reqs: int):
         """vLLM's ``LogprobsLists`` (raw logprobs of the device's logits) for the rows that asked."""
-        want = [int(s.params.logprobs) if s.params is not None and s.params.logprobs is not None else -1 for s in rows]
-        if max(want) < 0:
+        from vllm_npu.host_sampling import num_logprobs
+
+        vocab = logits.shape[1]
+        want = [n for s in rows if (n := num_logprobs(s.params, vocab)) is not None]
+        if not want:
             return None
         from vllm.v1.outputs import LogprobsLists
 
-        vocab = logits.shape[1]
-        k = min(max(want), vocab)
+        k = max(want)
         x = logits.astype(np.float64)
         lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
         lp = (x - lse[:, None]).astype(np.float32)

@@ -1,0 +1,38 @@
+"""``vllm_npu.host_sampling``: vLLM's own ``Sampler`` on device logits, with logprobs as vLLM
+reads them (``-1`` = the whole vocabulary; issue 20 §3.1: -1 once reached the sampler as a
+top-k of -1 and killed the MBLT engine)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from vllm import SamplingParams  # noqa: E402
+
+from vllm_npu.host_sampling import HostSampler, SampleRequest, num_logprobs, scatter_logprobs  # noqa: E402
+
+VOCAB = 50
+
+
+@pytest.mark.parametrize(("asked", "want"), [(None, None), (0, 0), (3, 3), (-1, VOCAB), (500, VOCAB)])
+def test_num_logprobs(asked, want):
+    assert num_logprobs(SamplingParams(logprobs=asked), VOCAB) == want
+
+
+def test_logprobs_minus_one_returns_every_token_equal_to_log_softmax():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, VOCAB)).astype(np.float32)
+    reqs = [SampleRequest(SamplingParams(temperature=0.0, logprobs=-1), [1, 2], [], None),
+            SampleRequest(SamplingParams(temperature=0.0, logprobs=2), [3], [], None)]
+    toks, lp = HostSampler(VOCAB, enable_penalties=True).sample(logits, reqs)
+    assert toks == [int(np.argmax(row)) for row in logits]
+    lists = scatter_logprobs(lp, [0, 1], 2)
+    assert lists.logprobs.shape == (2, VOCAB + 1)
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) - x.max(1, keepdims=True)
+    ids = lists.logprob_token_ids[0]
+    assert sorted(ids[1:].tolist()) == list(range(VOCAB))
+    assert np.abs(lists.logprobs[0, 1:] - ref[0, ids[1:]]).max() < 1e-5

@@ -1,0 +1,61 @@
+"""The platforms' ``validate_request`` on vLLM ``SamplingParams`` (HTTP 400 at the API): what
+each worker refuses, named, and what MBLT now serves (prompt logprobs, issue 20 §3.2)."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm.sampling_params import SamplingParams  # noqa: E402
+
+from vllm_npu.mblt.platform import MbltPlatform, MbltRequestError  # noqa: E402
+from vllm_npu.rbln.errors import RblnRequestError  # noqa: E402
+from vllm_npu.rbln.platform import RblnPlatform  # noqa: E402
+
+
+def _refusal(platform, error, **params) -> tuple[str, str]:
+    with pytest.raises(error) as info:
+        platform.validate_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(**params))
+    return getattr(info.value, "parameter", None), str(info.value)
+
+
+@pytest.mark.parametrize("params", [{"prompt_logprobs": 0}, {"prompt_logprobs": 3}, {"prompt_logprobs": -1},
+                                    {"prompt_logprobs": 1, "logprobs": 1}])
+def test_mblt_serves_prompt_logprobs(params):
+    MbltPlatform.validate_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(**params))
+
+
+def test_rbln_refuses_prompt_logprobs_with_the_reason():
+    param, text = _refusal(RblnPlatform, RblnRequestError, prompt_logprobs=0)
+    assert param == "prompt_logprobs" and "prompt_logprobs=0" in text and "last position" in text
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("thinking_token_budget", 8),
+    ("prompt_logprob_token_ids", [[1, 2]]),
+    ("min_p", 0.2),
+    ("allowed_token_ids", [5, 6]),
+    ("logprob_token_ids", [1, 2]),
+])
+@pytest.mark.parametrize(("platform", "error"), [(MbltPlatform, MbltRequestError), (RblnPlatform, RblnRequestError)],
+                         ids=["mblt", "rbln"])
+def test_unhonoured_parameters_are_named(platform, error, field, value):
+    extra = {"temperature": 0.8} if field == "min_p" else {}
+    if field == "prompt_logprob_token_ids":
+        extra["prompt_logprobs"] = 1
+    param, text = _refusal(platform, error, **{field: value}, **extra)
+    if field == "prompt_logprob_token_ids" and platform is RblnPlatform:
+        assert param == "prompt_logprobs" and field in text
+    else:
+        assert param == field and field in text, (param, text)
+
+
+def test_unlimited_thinking_budget_is_not_refused():
+    MbltPlatform.validate_request({"prompt_token_ids": [1]}, SamplingParams(thinking_token_budget=-1))
+
+
+def test_prompt_embeds_refused():
+    with pytest.raises(MbltRequestError) as info:
+        MbltPlatform.validate_request({"prompt_embeds": object()}, SamplingParams())
+    assert info.value.parameter == "prompt_embeds"
