@@ -22,12 +22,30 @@ logger = logging.getLogger("vllm.vllm_npu")
 PENALTIES_ENV = "VLLM_MBLT_ENABLE_SAMPLING_PENALTIES"
 _GREEDY_EPS = 1e-5
 _FALSE = {"0", "false", "no", "off"}
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class SamplingSettingError(ValueError):
+    """A sampling switch holds a value that is neither on nor off (the message names it)."""
 
 
 def penalties_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES``: on unless set to 0/false/no/off."""
+    """``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES``: on when unset or empty, or 1/true/yes/on; off
+    for 0/false/no/off (any case).
+
+    Raises:
+        SamplingSettingError: any other value (named, with the accepted ones).
+    """
     env = os.environ if environ is None else environ
-    return env.get(PENALTIES_ENV, "1").strip().lower() not in _FALSE
+    raw = env.get(PENALTIES_ENV, "")
+    value = raw.strip().lower()
+    if value in _FALSE:
+        return False
+    if not value or value in _TRUE:
+        return True
+    raise SamplingSettingError(
+        f"{PENALTIES_ENV}={raw!r} is neither on (1, true, yes, on) nor off (0, false, no, off)"
+    )
 
 
 def num_logprobs(params: object, vocab_size: int) -> int | None:

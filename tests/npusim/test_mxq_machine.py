@@ -93,7 +93,7 @@ def test_single_core_models_fill_the_card_then_fail(mxq_machine, mxq_artifact, g
     glog()
     with pytest.raises(qb.QbRuntimeError) as exc:
         _launch(path)
-    assert exc.value.status == "Acc_CoreAllocationFailed"
+    assert exc.value.status == "Driver_FailedToClaimCores"
     assert glog() == ["Core allocation failed - available cores : 0 vs requested cores : 1"]
     models[3].dispose()
     _launch(path)  # the freed core is reused
@@ -139,7 +139,22 @@ def test_core_mode_must_match_the_artifact(mxq_machine, mxq_artifact, glog):
     with pytest.raises(qb.QbRuntimeError) as exc:
         qb.Model(str(mxq_artifact(max_batch_size=2, core_mode="auto")), mc)
     assert exc.value.status == "Model_MXQAndModelConfigNotMatch"
-    qb.Model(str(mxq_artifact(max_batch_size=2, core_mode="auto")), qb.ModelConfig())  # Auto always accepted
+    qb.Model(str(mxq_artifact(max_batch_size=2, core_mode="auto")), qb.ModelConfig())  # one compiled mode: Auto takes it
+
+
+def test_auto_core_mode_on_a_several_mode_mxq_is_refused_naming_the_modes(mxq_machine, mxq_artifact, glog):
+    """qbruntime refuses CoreMode.Auto when the MXQ holds several core modes (issue 20 §2.4;
+    the simulator once took the first silently)."""
+    path = str(mxq_artifact(core_mode="auto"))  # K=1, compiled for all four modes
+    glog()
+    with pytest.raises(qb.QbRuntimeError) as exc:
+        qb.Model(path, qb.ModelConfig())
+    assert exc.value.status == "Model_MXQAndModelConfigNotMatch"
+    assert glog() == ["The MXQ is compiled for several core modes [CoreMode.Single, CoreMode.Multi, CoreMode.Global4, "
+                      "CoreMode.Global8]: CoreMode.Auto cannot pick one; set one of them in the ModelConfig."]
+    mc = qb.ModelConfig()
+    mc.set_global4_core_mode([C0, C1])
+    assert qb.Model(path, mc).get_core_mode() == qb.CoreMode.Global4
 
 
 # ---------------------------------------------------------------- memory

@@ -211,7 +211,7 @@ def _state(m: qb.Model, cache_ids=(0,)) -> list[list[bytes]]:
 
 @pytest.mark.parametrize(
     ("n", "cache_size", "status", "detail"),
-    [(17, 0, "Model_InvalidInputSize", "Sequence length of inputs[0] exceeds maximum value (17 > 16)"),
+    [(17, 0, "Model_ShapeMismatched", "Sequence length of inputs[0] exceeds maximum value (17 > 16)"),
      (10, 55, "Model_CacheOverflow", "Sum of sequence length and cache size exceeds max cache size (65 > 64)")],
 )
 def test_non_batch_limits(launched, mxq_golden, glog, n, cache_size, status, detail):
@@ -249,7 +249,7 @@ def test_batch_param_errors(launched, mxq_golden, glog, params, n, detail):
 
 @pytest.mark.parametrize(
     ("params", "status", "detail"),
-    [([BatchParam(3, 0, 0), BatchParam(17, 0, 1)], "Model_InvalidInputSize",
+    [([BatchParam(3, 0, 0), BatchParam(17, 0, 1)], "Model_ShapeMismatched",
       "Sequence length of inputs[0] exceeds maximum value (17 > 16)"),
      ([BatchParam(3, 0, 0), BatchParam(10, 60, 1)], "Model_CacheOverflow",
       "Sum of sequence length and cache size exceeds max cache size (70 > 64)")],
@@ -277,11 +277,11 @@ def test_dump_and_load_errors(launched, glog):
     blobs = m.dump_cache_memory(0)
     glog()
     cases = [
-        (lambda: m.dump_cache_memory(3), "Model_InvalidCacheId",
+        (lambda: m.dump_cache_memory(3), "Model_InvalidBatchParam",
          "Failed to dump cache memory - `cache_id` (3) exceeds maximum batch size (3)"),
-        (lambda: m.load_cache_memory(blobs[:1], 1), "Model_InvalidCacheBuffer",
+        (lambda: m.load_cache_memory(blobs[:1], 1), "Model_NumCacheMismatched",
          "Failed to load cache memory - The number of cache is mismatched (expected: 2, actual: 1)"),
-        (lambda: m.load_cache_memory([blobs[0], blobs[1][:-4]], 1), "Model_InvalidCacheBuffer",
+        (lambda: m.load_cache_memory([blobs[0], blobs[1][:-4]], 1), "Model_BufferSizeMismatched",
          f"Failed to load cache memory - layer1.kv: Wrong buffer size (expected: {len(blobs[1])}, actual: {len(blobs[1]) - 4})"),
     ]
     for call, status, detail in cases:

@@ -485,6 +485,38 @@ def test_non_batch_displaced_request_is_a_prefix_snapshot(artifact, make_worker,
     assert w.stats["prefix_loads"] == 1
 
 
+
+def test_displaced_snapshots_are_one_per_request_and_never_evict_finished_ones(artifact, make_worker, golden,
+                                                                               monkeypatch):
+    """Issue 20 §2.2: two requests taking turns on a non-batch model's one slot once added a
+    ``req@len`` snapshot per slot loss to the finished LRU (16 copies; a finished snapshot
+    pushed out within 9 steps). Now: one displaced snapshot per running request, outside the
+    LRU; the finished snapshot survives and is loaded; finishing drops the displaced copy."""
+    monkeypatch.setenv("VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD", "0")
+    monkeypatch.setenv("VLLM_MBLT_PREFIX_CACHE_MAX_HOST_MIB", "1")  # a small finished cap
+    w = make_worker(artifact("nobatch", 1, drop_batch_key=True))
+    cap = w.snapshots.cap
+    a, b = _prefix_pair()
+    d = Driver(w)
+    _finish_a(d, a)
+    assert w.snapshots.keys() == ["A"]
+    x, z = prompts(15, 40, 40)
+    d.add("X", x, greedy(14))
+    d.add("Z", z, greedy(14))
+    for _ in range(12):  # X and Z take turns on slot (0, 0): each loses it every step
+        d.step(["X", "Z"])
+    assert w.snapshots.keys() == ["A"], w.snapshots.keys()
+    assert sorted(w.snapshots.displaced_keys()) == ["X", "Z"]
+    d.add("B", b, greedy(3), num_computed=32)
+    assert d.run(["B"])["B"] == golden(b, 3)
+    assert w.stats["prefix_loads"] == 1
+    outs = d.run(["X", "Z"])
+    assert outs["X"] == golden(x, 14) and outs["Z"] == golden(z, 14)
+    d.flush()
+    assert w.snapshots.displaced_keys() == []
+    assert len(w.snapshots) <= max(cap, 1)
+
+
 # ---------------------------------------------------------------------- preemption
 @pytest.mark.parametrize("resume_at", [0, 16])
 def test_preempted_request_resumes_to_golden(artifact, make_worker, golden, resume_at):
@@ -741,3 +773,52 @@ def test_prompt_logprobs_survive_preemption_mid_prompt(artifact, make_worker, hf
     vals = got["plp"].logprobs.numpy()[:, 0]
     want = np.array([gold[p, pa[p + 1]] for p in range(len(pa) - 1)])
     assert np.abs(vals - want).max() <= PROMPT_LOGPROB_ATOL
+
+
+# ---------------------------------------------------------------------- errors that name the value
+def test_missing_embedding_names_both_files_searched(tmp_path):
+    from vllm_npu.mblt.worker import MbltWorkerError, _load_embeddings
+
+    with pytest.raises(MbltWorkerError) as info:
+        _load_embeddings(str(tmp_path))
+    text = str(info.value)
+    assert f"{tmp_path}/model.safetensors" in text and f"{tmp_path}/embedding.safetensors" in text
+    assert "neither file exists" in text
+
+
+def test_worker_without_a_target_refuses_instead_of_picking_the_simulator(artifact, make_worker, monkeypatch):
+    from vllm_npu.mblt.worker import MbltWorkerError
+
+    w = make_worker(artifact("k4", 4), load=False)
+    monkeypatch.delenv("NPU_HARNESS_TARGET")
+    with pytest.raises(MbltWorkerError, match=r"NPU_HARNESS_TARGET='': the MBLT worker runs on mblt-sim"):
+        w.load_model()
+
+
+def test_config_dev_no_true_is_refused_naming_the_file(artifact, make_worker, tmp_path):
+    from vllm_npu.mblt.settings import MbltConfigError
+
+    src = artifact("k4", 4)
+    dst = tmp_path / "devtrue"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["dev_no"] = True
+    (dst / "config.json").write_text(json.dumps(cfg))
+    w = make_worker(dst, load=False)
+    with pytest.raises(MbltConfigError, match=r"config\.json: dev_no=True must be an int >= 0"):
+        w.load_model()
+
+
+def test_auto_core_mode_on_a_several_mode_artifact_is_refused_naming_the_modes(hf_dir, make_worker, tmp_path):
+    """A K=1 artifact compiled for every core mode, served without ``core_mode``: the worker's
+    Auto config is refused by the runtime, and the start-up error names the compiled modes."""
+    out = compile_artifact(hf_dir, tmp_path / "auto4", max_batch_size=1, max_cache_size=256,
+                           prefill_chunk_size=CHUNK, max_width=CHUNK, core_mode="auto")
+    from vllm_npu.mblt.settings import MbltConfigError
+
+    w = make_worker(out, load=False)
+    with pytest.raises(MbltConfigError) as info:
+        w.load_model()
+    text = str(info.value)
+    assert "does not run in core_mode=auto" in text, text
+    assert "Its compiled core modes: single, multi, global4, global8." in text, text

@@ -36,3 +36,23 @@ def test_logprobs_minus_one_returns_every_token_equal_to_log_softmax():
     ids = lists.logprob_token_ids[0]
     assert sorted(ids[1:].tolist()) == list(range(VOCAB))
     assert np.abs(lists.logprobs[0, 1:] - ref[0, ids[1:]]).max() < 1e-5
+
+
+@pytest.mark.parametrize(("value", "on"), [(None, True), ("", True), ("1", True), ("TRUE", True), ("on", True),
+                                           ("yes", True), ("0", False), ("false", False), (" Off ", False),
+                                           ("no", False)])
+def test_penalties_switch_values(value, on):
+    from vllm_npu.host_sampling import PENALTIES_ENV, penalties_enabled
+
+    env = {} if value is None else {PENALTIES_ENV: value}
+    assert penalties_enabled(env) is on
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "disable", "nein"])
+def test_penalties_switch_refuses_other_words(value):
+    """Once any word but 0/false/no/off meant "on"."""
+    from vllm_npu.host_sampling import PENALTIES_ENV, SamplingSettingError, penalties_enabled
+
+    with pytest.raises(SamplingSettingError) as info:
+        penalties_enabled({PENALTIES_ENV: value})
+    assert f"{PENALTIES_ENV}={value!r}" in str(info.value) and "0, false, no, off" in str(info.value)

@@ -408,3 +408,17 @@ def test_index_matches_a_reference_model(cap, ops):
                     best = (k, k.upper(), n)
             assert idx.best_match(query, limit) == best
         assert idx.keys() == list(model)
+
+
+def test_displaced_snapshots_one_per_request_outside_the_lru():
+    idx: SnapshotIndex[str] = SnapshotIndex(1)
+    idx.add("f", [1, 2], "F")
+    for n in range(3, 20):  # a request displaced again and again
+        assert idx.add_displaced("x", list(range(1, n)), f"X{n}") == (None if n == 3 else f"X{n - 1}")
+    assert idx.keys() == ["f"] and len(idx) == 1, "displaced snapshots neither count nor evict"
+    assert idx.displaced_keys() == ["x"]
+    assert idx.best_match([1, 2, 3, 4], 10) == ("x@displaced", "X19", 4)
+    idx.touch("x@displaced")  # not in the LRU: nothing to do
+    assert idx.best_match([1, 2], 10) == ("f", "F", 2), "ties go to the finished snapshot"
+    assert idx.pop_displaced("x") == "X19" and idx.pop_displaced("x") is None
+    assert idx.best_match([1, 2, 3, 4], 10) == ("f", "F", 2)

@@ -20,6 +20,7 @@ from vllm_npu.mblt.settings import (
     LayoutOverrides,
     MbltConfigError,
     SchedulerPlan,
+    parse_dev_no,
     parse_loader_extra_config,
     plan_scheduler,
     resolve_core_mode,
@@ -318,7 +319,7 @@ def test_prefill_chunk_default_and_clamp(caplog):
 def test_plain_model_defaults():
     assert plan({}) == SchedulerPlan(
         max_num_seqs=1, max_num_batched_tokens=128, long_prefill_token_threshold=128,
-        max_num_partial_prefills=1, max_long_partial_prefills=1, block_size=128,
+        block_size=128,
         enable_prefix_caching=True, max_batch_size=1, core_mode=None, prefill_chunk=128)
 
 
@@ -342,7 +343,6 @@ def test_config_core_mode_selects_chunk():
 def test_batch32_reference_case():
     p = plan({"max_batch_size": 32, "npu_prefill_chunk_size": {"single": 256}})
     assert (p.max_num_seqs, p.max_num_batched_tokens, p.long_prefill_token_threshold) == (32, 4096, 128)
-    assert (p.max_num_partial_prefills, p.max_long_partial_prefills) == (32, 32)
     assert p.prefill_chunk == 128 and p.max_batch_size == 32
 
 
@@ -370,7 +370,7 @@ def test_max_num_seqs_clamped_kept_or_taken(caplog):
 
 def test_smaller_user_max_num_seqs_of_one_runs_non_batch_sizing():
     p = plan({"max_batch_size": 8, "npu_prefill_chunk_size": 64}, user_max_num_seqs=1)
-    assert (p.max_num_seqs, p.max_num_batched_tokens, p.max_num_partial_prefills) == (1, 64, 1)
+    assert (p.max_num_seqs, p.max_num_batched_tokens) == (1, 64)
 
 
 def test_max_batch_size_override_beats_config_and_dict_form():
@@ -402,6 +402,7 @@ def test_plan_logs_its_numbers(caplog):
         plan({"max_batch_size": 32, "npu_prefill_chunk_size": 64})
     text = "\n".join(r.getMessage() for r in caplog.records)
     assert "max_num_batched_tokens=2048" in text
+    assert "partial_prefills" not in text, "vLLM 0.32 has no partial-prefill settings"
     assert "max_batch_size=32" in text
 
 
@@ -416,11 +417,23 @@ def test_plan_invariants(batch, chunk, user_seqs, user_tokens):
         expected_chunk = min(expected_chunk, user_tokens)
     assert p.prefill_chunk == p.long_prefill_token_threshold == expected_chunk
     assert p.max_num_batched_tokens == expected_chunk * p.max_num_seqs
-    partial = p.max_num_seqs if p.max_num_seqs > 1 else 1
-    assert p.max_num_partial_prefills == p.max_long_partial_prefills == partial
 
 
 def test_json_string_and_mapping_give_the_same_overrides():
     raw = {"dev_no": [0, 1], "core_mode": "global8", "target_clusters": ["0:0", "0:1", "1:0", "1:1"],
            "max_batch_size": {"global8": 2}}
     assert parse_loader_extra_config(json.dumps(raw)) == parse_loader_extra_config(raw)
+
+
+@pytest.mark.parametrize("raw", [True, "1", 1.0, [], [0, 0], [-1]])
+def test_config_dev_no_is_parsed_strictly_naming_the_file(raw):
+    """``dev_no`` from an artifact's config.json once went through a bare ``int()`` (``true``
+    became device 1)."""
+    with pytest.raises(MbltConfigError) as info:
+        parse_dev_no(raw, source="/m/config.json")
+    assert str(info.value).startswith("/m/config.json: dev_no")
+
+
+def test_config_dev_no_forms():
+    assert parse_dev_no(2, source="x") == (2,)
+    assert parse_dev_no([0, 1], source="x") == (0, 1)

@@ -80,15 +80,17 @@ def test_bind_saves_the_previous_holder_and_restores_the_new_one():
 def test_restore_of_a_cache_whose_host_copy_is_short_is_refused():
     dev = Device()
     t, _ = table(dev)
-    a, b = RequestKV((0, 1)), RequestKV((0, 1))
+    a, b = RequestKV((0, 1), owner="req-a"), RequestKV((0, 1))
     t.bind(a)
     run(dev, a, 0, [1, 2, 3])
     t.bind(b)
     a.token_ids.extend([4, 5])  # tokens that are neither resident nor saved
-    with pytest.raises(MbltCacheStateError, match=r"^Cannot restore 5 cached tokens: the host copy holds only 3\.$"):
+    with pytest.raises(MbltCacheStateError, match=r"^Cannot restore 5 cached tokens of req_id=req-a on slot \(model_idx=0, cache_id=1\): "
+                                                   r"the host copy holds only 3\.$"):
         t.bind(a)
-    never_saved = RequestKV((0, 1), token_ids=[1])
-    with pytest.raises(MbltCacheStateError, match=r"^Cannot restore 1 cached tokens: the host copy holds only 0\.$"):
+    never_saved = RequestKV((0, 1), token_ids=[1], owner="snapshot r7@1")
+    with pytest.raises(MbltCacheStateError, match=r"^Cannot restore 1 cached tokens of snapshot r7@1 on slot "
+                                                   r"\(model_idx=0, cache_id=1\): the host copy holds only 0\.$"):
         t.bind(never_saved)
 
 
@@ -101,9 +103,10 @@ def test_truncate_keeps_the_host_copy_valid_up_to_the_cut():
 
 
 def test_note_write_gap_is_refused_and_overwrite_invalidates_host():
-    a = RequestKV((0, 0), token_ids=[1, 2, 3], host=[b"x"], host_len=3)
+    a = RequestKV((0, 0), token_ids=[1, 2, 3], host=[b"x"], host_len=3, owner="r1")
     with pytest.raises(MbltCacheStateError,
-                       match=r"^Cannot infer from position 4: the request's cache holds 3 tokens\.$"):
+                       match=r"^Cannot infer from position 4: the cache of req_id=r1 on slot "
+                             r"\(model_idx=0, cache_id=0\) holds 3 tokens\.$"):
         a.note_write(4, [9])
     assert a.token_ids == [1, 2, 3]
     a.note_write(1, [8, 9])  # rewrite from position 1

@@ -269,17 +269,33 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     return i
 
 
+#: Suffix of a displaced snapshot's key in :meth:`SnapshotIndex.best_match` results.
+DISPLACED_SUFFIX = "@displaced"
+
+
+def displaced_key(req_id: str) -> str:
+    """The match key of ``req_id``'s displaced snapshot."""
+    return req_id + DISPLACED_SUFFIX
+
+
 class SnapshotIndex(Generic[T]):
-    """Finished-request prefix snapshots, least recently used first, at most ``cap`` of them.
+    """Finished-request prefix snapshots, least recently used first, at most ``cap`` of them,
+    plus at most one *displaced* snapshot per running request.
 
     Each snapshot has a key (a request id), the prompt token ids its KV holds, and a value
     (the cache object). Matching does not touch; the caller touches what it uses.
+
+    Displaced snapshots (a non-batch request that lost the shared slot, the seed's switch-out
+    copy) are not in the LRU: vllm-mblt's ``finished_snapshot_lru`` holds finished snapshots
+    only, so they neither count toward ``cap`` nor evict a finished one. A request's newer
+    displaced snapshot replaces its older one; it is dropped when the request finishes.
     """
 
     def __init__(self, cap: int) -> None:
         """Raises: ValueError: ``cap`` is not an int >= 0."""
         self._cap = self._check_cap(cap)
         self._entries: OrderedDict[str, tuple[tuple[int, ...], T]] = OrderedDict()
+        self._displaced: dict[str, tuple[tuple[int, ...], T]] = {}
 
     @staticmethod
     def _check_cap(cap: int) -> int:
@@ -317,19 +333,38 @@ class SnapshotIndex(Generic[T]):
         if limit < 0:
             raise ValueError(f"limit={limit!r} must be >= 0")
         best: tuple[str, T, int] | None = None
-        for key, (tokens, value) in reversed(self._entries.items()):
+        candidates = [*reversed(self._entries.items()),
+                      *((displaced_key(k), v) for k, v in self._displaced.items())]
+        for key, (tokens, value) in candidates:
             matched = _common_prefix(tokens, token_ids, limit)
             if matched > 0 and (best is None or matched > best[2]):
                 best = (key, value, matched)
         return best
 
     def touch(self, key: str) -> None:
-        """Mark ``key`` most recently used.
+        """Mark ``key`` most recently used (a displaced snapshot's key: nothing to do).
 
         Raises:
             KeyError: ``key`` is not held.
         """
+        if key.endswith(DISPLACED_SUFFIX) and key[: -len(DISPLACED_SUFFIX)] in self._displaced:
+            return
         self._entries.move_to_end(key)
+
+    def add_displaced(self, req_id: str, token_ids: Sequence[int], value: T) -> T | None:
+        """Hold ``value`` as ``req_id``'s displaced snapshot; return the one it replaces."""
+        old = self._displaced.pop(req_id, None)
+        self._displaced[req_id] = (tuple(token_ids), value)
+        return None if old is None else old[1]
+
+    def pop_displaced(self, req_id: str) -> T | None:
+        """Drop ``req_id``'s displaced snapshot and return it; None when it has none."""
+        entry = self._displaced.pop(req_id, None)
+        return None if entry is None else entry[1]
+
+    def displaced_keys(self) -> list[str]:
+        """Request ids holding a displaced snapshot."""
+        return list(self._displaced)
 
     def pop(self, key: str) -> T | None:
         """Remove ``key`` and return its value; None when not held."""

@@ -2,8 +2,7 @@
 
 This module turns ``--model-loader-extra-config`` and the model's ``config.json`` into the
 numbers the platform writes into vLLM's scheduler config: block size, prefix caching,
-``max_num_seqs``, ``max_num_batched_tokens``, the long-prefill threshold and the partial-prefill
-counts. It imports only the standard library (no vLLM, torch or simulator), so every rule here
+``max_num_seqs``, ``max_num_batched_tokens`` and the long-prefill threshold. It imports only the standard library (no vLLM, torch or simulator), so every rule here
 is testable on its own.
 
 Rules, as vllm-mblt 0.8.0 applies them (docs: the vllm-mblt README "Runtime Layout Overrides",
@@ -277,6 +276,24 @@ def _device_number(value: object, *, name: str) -> int:
     if value < 0:
         raise MbltConfigError(f"{name}={value!r} must be an int >= 0 (a device number)")
     return value
+
+
+def parse_dev_no(raw: object, *, source: str = "") -> tuple[int, ...]:
+    """``dev_no`` (an int >= 0, or a non-empty list of distinct ints >= 0) as a tuple.
+
+    Args:
+        source: where the value came from (``<dir>/config.json``), named in the error.
+
+    Raises:
+        MbltConfigError: anything else (``true``, ``"1"``, ``[]``, a repeated device), naming
+            the value (and ``source``).
+    """
+    try:
+        return _parse_dev_no(raw)
+    except MbltConfigError as exc:
+        if not source:
+            raise
+        raise MbltConfigError(f"{source}: {exc}") from None
 
 
 def _parse_dev_no(raw: object) -> tuple[int, ...]:
@@ -554,8 +571,6 @@ class SchedulerPlan:
         max_num_seqs: sequences per step (<= ``max_batch_size``).
         max_num_batched_tokens: tokens per step.
         long_prefill_token_threshold: tokens per prefill chunk of one sequence.
-        max_num_partial_prefills: concurrent partial prefills.
-        max_long_partial_prefills: concurrent long partial prefills.
         block_size: KV block size (tokens).
         enable_prefix_caching: whether vLLM prefix caching is on.
         max_batch_size: the model's batch capacity (sequences; 1 for a non-batch MXQ).
@@ -566,8 +581,6 @@ class SchedulerPlan:
     max_num_seqs: int
     max_num_batched_tokens: int
     long_prefill_token_threshold: int
-    max_num_partial_prefills: int
-    max_long_partial_prefills: int
     block_size: int
     enable_prefix_caching: bool
     max_batch_size: int
@@ -657,21 +670,18 @@ def plan_scheduler(
                     user_max_num_batched_tokens, chunk)
         chunk = user_max_num_batched_tokens
 
-    # max_num_seqs > 1: every scheduled sequence may prefill a chunk per step, and as many
-    # partial prefills as sequences. With max_num_seqs == 1 the same formulas give one chunk
-    # per step and one partial prefill.
+    # max_num_seqs > 1: every scheduled sequence may prefill a chunk per step. With
+    # max_num_seqs == 1 the same formula gives one chunk per step. (vllm-mblt on vLLM 0.11.2
+    # also set max_num_partial_prefills / max_long_partial_prefills; vLLM 0.32 has neither.)
     plan = SchedulerPlan(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk * max_num_seqs,
-        long_prefill_token_threshold=chunk, max_num_partial_prefills=max_num_seqs,
-        max_long_partial_prefills=max_num_seqs, block_size=block_size,
+        long_prefill_token_threshold=chunk, block_size=block_size,
         enable_prefix_caching=enable_prefix_caching, max_batch_size=max_batch_size,
         core_mode=core_mode, prefill_chunk=chunk,
     )
     logger.info(
         "MBLT chunked prefill: chunk=%d tokens, max_num_batched_tokens=%d, "
-        "long_prefill_token_threshold=%d, max_num_partial_prefills=%d, "
-        "max_long_partial_prefills=%d.",
+        "long_prefill_token_threshold=%d.",
         plan.prefill_chunk, plan.max_num_batched_tokens, plan.long_prefill_token_threshold,
-        plan.max_num_partial_prefills, plan.max_long_partial_prefills,
     )
     return plan

@@ -31,6 +31,7 @@ class RequestKV:
 
     Attributes:
         slot: ``(model_idx, cache_id)`` this cache runs on.
+        owner: whose cache it is (a request id, or ``snapshot <key>``), named in errors.
         token_ids: ids whose KV the cache holds, in order; ``len(token_ids)`` is the cache length.
         host: blobs of the last save (one per ``CacheInfo``), or None.
         host_len: leading tokens of ``token_ids`` the host copy still holds correctly.
@@ -40,6 +41,12 @@ class RequestKV:
     token_ids: list[int] = field(default_factory=list)
     host: list[bytes] | None = None
     host_len: int = 0
+    owner: str = ""
+
+    def describe(self) -> str:
+        """``req_id=... slot=(model_idx, cache_id)`` for messages."""
+        who = f"req_id={self.owner}" if self.owner and not self.owner.startswith("snapshot") else (self.owner or "cache")
+        return f"{who} on slot (model_idx={self.slot[0]}, cache_id={self.slot[1]})"
 
     @property
     def length(self) -> int:
@@ -58,7 +65,8 @@ class RequestKV:
         """
         if start > self.length:
             raise MbltCacheStateError(
-                f"Cannot infer from position {start}: the request's cache holds {self.length} tokens."
+                f"Cannot infer from position {start}: the cache of {self.describe()} holds "
+                f"{self.length} tokens."
             )
         del self.token_ids[start:]
         self.token_ids.extend(ids)
@@ -116,8 +124,8 @@ class SlotTable:
         if kv.length:
             if kv.host is None or kv.host_len < kv.length:
                 raise MbltCacheStateError(
-                    f"Cannot restore {kv.length} cached tokens: the host copy holds only "
-                    f"{kv.host_len if kv.host is not None else 0}."
+                    f"Cannot restore {kv.length} cached tokens of {kv.describe()}: the host copy "
+                    f"holds only {kv.host_len if kv.host is not None else 0}."
                 )
             t0 = time.perf_counter()
             self.load(kv.slot[0], kv.slot[1], kv.host)

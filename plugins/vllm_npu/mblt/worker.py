@@ -101,12 +101,37 @@ def _load_embeddings(model_dir: str) -> np.ndarray:
     from safetensors.numpy import load_file
 
     d = Path(model_dir)
-    for name in ("model.safetensors", "embedding.safetensors"):
+    searched = ("model.safetensors", "embedding.safetensors")
+    for name in searched:
         if (d / name).is_file():
             tensors = load_file(str(d / name))
             if EMBED_TENSOR in tensors:
                 return np.ascontiguousarray(tensors[EMBED_TENSOR], dtype=np.float32)
-    raise MbltWorkerError(f"no {EMBED_TENSOR!r} in {d}/model.safetensors: the host-side embedding is missing")
+    found = [n for n in searched if (d / n).is_file()]
+    raise MbltWorkerError(
+        f"no {EMBED_TENSOR!r} in {' or '.join(f'{d}/{n}' for n in searched)} "
+        f"({'present: ' + ', '.join(found) if found else 'neither file exists'}): the host-side embedding is missing"
+    )
+
+
+def _core_mode_mismatch(runtime: Any, mxq_path: str, core_mode: str) -> str:
+    """The start-up error for ``Model_MXQAndModelConfigNotMatch``, naming the core mode asked
+    for and the MXQ's compiled modes (from ``get_model_summary``'s ``core modes:`` line)."""
+    import re
+
+    try:
+        summary = str(runtime.get_model_summary(mxq_path))
+    except Exception as exc:  # noqa: BLE001 - the summary only adds detail
+        summary = f"(get_model_summary failed: {exc})"
+    line = re.search(r"core modes?:([^\n]*)", summary, re.IGNORECASE)
+    names = [w for w in re.findall(r"[a-z0-9]+", line.group(1).lower())
+             if w in settings.CORE_MODES] if line else []
+    modes = ", ".join(names) if names else f"unknown (summary: {summary[:300]!r})"
+    hint = (" (core_mode auto asks qbruntime to pick, which it refuses when the MXQ holds several modes)"
+            if core_mode == "auto" else "")
+    return (f"The MXQ {mxq_path} does not run in core_mode={core_mode}{hint}: qbruntime answered "
+            f"Model_MXQAndModelConfigNotMatch. Its compiled core modes: {modes}. Pass "
+            "--model-loader-extra-config '{\"core_mode\": \"<one of them>\"}'.")
 
 
 class MbltWorker(NpuWorker):
@@ -162,7 +187,12 @@ class MbltWorker(NpuWorker):
             vllm_npu.mblt.backend.MbltBackendError: the runtime could not create the
                 instances (its error chained).
         """
-        target = selected_target() or "mblt-sim"
+        target = selected_target()
+        if target not in ("mblt-sim", "mblt-hw"):
+            raise MbltWorkerError(
+                f"NPU_HARNESS_TARGET={target or ''!r}: the MBLT worker runs on mblt-sim (npusim.mxq) or "
+                "mblt-hw (qbruntime); set NPU_HARNESS_TARGET to one of them"
+            )
         runtime = load_runtime(target)
         model_dir = self.model_config.model
         mxq_rel = self.overrides.extra.get("mxq_path") or self.artifact.get("mxq_path")
@@ -171,8 +201,7 @@ class MbltWorker(NpuWorker):
         mxq_path = str(Path(model_dir) / str(mxq_rel))
         dev_no = self.overrides.dev_no
         if dev_no is None:
-            raw = self.artifact.get("dev_no", 0)
-            dev_no = tuple(raw) if isinstance(raw, list) else (int(raw),)
+            dev_no = settings.parse_dev_no(self.artifact.get("dev_no", 0), source=f"{model_dir}/config.json")
         core_mode = self.core_mode or "auto"
         if core_mode == "auto" and self.overrides.target_cores:
             core_mode = "single"  # explicit cores place single-core instances
@@ -184,7 +213,12 @@ class MbltWorker(NpuWorker):
             max_batch_size=self.max_batch_size,
             device_name=str(self.artifact.get("target_device", "aries")).split("-")[0] or "aries",
         )
-        backend = MbltBackend.create(runtime, mxq_path, layout)
+        try:
+            backend = MbltBackend.create(runtime, mxq_path, layout)
+        except Exception as exc:
+            if "MXQAndModelConfigNotMatch" in str(exc):
+                raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
+            raise
         try:
             if self.max_model_len > backend.max_cache_size:
                 raise settings.MbltConfigError(
@@ -335,6 +369,9 @@ class MbltWorker(NpuWorker):
             return
         self._release_vslot(st)
         assert self.table is not None
+        displaced = self.snapshots.pop_displaced(req_id)  # superseded by the finished cache
+        if displaced is not None:
+            self.table.release(displaced)
         if self.enable_prefix_caching and st.kv.length:
             self._add_snapshot(req_id, st.kv)
         else:
@@ -343,14 +380,19 @@ class MbltWorker(NpuWorker):
     def _on_displaced(self, kv: RequestKV) -> None:
         """Non-batch models: a running request that loses the shared slot to another is also
         kept as a prefix snapshot (its host copy, shared, not copied), so a later request
-        can start from its prefix. Only caches holding at least one full block count."""
+        can start from its prefix. Only caches holding at least one full block count. One
+        per request (a newer one replaces the older), outside the finished-snapshot LRU."""
         if self.max_batch_size > 1 or not self.enable_prefix_caching or kv.length < self.block_size:
             return
         owner = next((st for st in self.reqs.values() if st.kv is kv), None)
         if owner is None or kv.host is None:
             return
-        snap = RequestKV(kv.slot, list(kv.token_ids[: kv.host_len]), kv.host, kv.host_len)
-        self._add_snapshot(f"{owner.req_id}@{snap.length}", snap)
+        snap = RequestKV(kv.slot, list(kv.token_ids[: kv.host_len]), kv.host, kv.host_len,
+                         owner=f"snapshot {pc.displaced_key(owner.req_id)}")
+        old = self.snapshots.add_displaced(owner.req_id, snap.token_ids, snap)
+        if old is not None:
+            assert self.table is not None
+            self.table.release(old)
 
     def _add_snapshot(self, key: str, kv: RequestKV) -> None:
         """Index ``kv`` as a prefix snapshot; snapshots evicted by the LRU cap lose their slot."""
@@ -375,7 +417,7 @@ class MbltWorker(NpuWorker):
             gen.manual_seed(params.seed)
         vslot = self._assign_vslot(new.req_id)
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
-                  RequestKV(self._slot_for(vslot)), vslot, gen)
+                  RequestKV(self._slot_for(vslot), owner=new.req_id), vslot, gen)
         st.num_computed = new.num_computed_tokens
         assert self.backend is not None
         k = requested_prompt_logprobs(params, self.backend.vocab_size)

@@ -12,30 +12,51 @@ import os
 import sys
 import time
 
-__all__ = ["DOCS_URL", "STATUS_CODES", "QbRuntimeError", "fail", "glog_line", "set_log_threshold"]
+__all__ = ["DOCS_URL", "INFERRED_STATUSES", "STATUS_CODES", "QbRuntimeError", "fail", "glog_line", "set_log_threshold"]
 
 DOCS_URL = "https://docs.mobilint.com/v1.5/doxygen/html_en/group__CPPAPI.html"
 
-#: Status codes the simulator raises (a subset of qbruntime's StatusCode families).
+#: Status codes the simulator raises. Every one is a status string of the real qbruntime 1.5.0
+#: core (read from the ``mobilint-qb-runtime`` 1.5.0 wheel's ``qbruntime*.so``). Which status the
+#: board reports after a given detail line is known only where the line and status appear
+#: together in vendor code; the others are our choice among the real strings, listed in
+#: :data:`INFERRED_STATUSES` with the situation they stand for.
 STATUS_CODES: tuple[str, ...] = (
     "InternalError",
     "NotImplemented",
     "BadAlloc",
     "Acc_DeviceNotFound",
     "Acc_CoreAlreadyInUse",
-    "Acc_CoreAllocationFailed",
+    "Driver_FailedToClaimCores",
     "Driver_NotInitialized",
     "Model_FailedToLoadMXQ",
     "Model_NotLaunched",
     "Model_AlreadyLaunched",
     "Model_CacheOverflow",
     "Model_InvalidBatchParam",
-    "Model_InvalidInputSize",
-    "Model_InvalidCacheId",
-    "Model_InvalidCacheBuffer",
+    "Model_ShapeMismatched",
+    "Model_NumCacheMismatched",
+    "Model_BufferSizeMismatched",
+    "Model_CacheNotFound",
+    "Model_FailedToOpenCacheFile",
     "Model_MXQAndModelConfigNotMatch",
-    "Model_InvalidModelConfig",
 )
+
+#: Statuses the simulator raises where no board or vendor code showed which status follows
+#: (real strings, our pairing): status -> the situation.
+INFERRED_STATUSES: dict[str, str] = {
+    "Driver_FailedToClaimCores": "auto core allocation finds fewer free cores than the mode needs "
+                                 "(the glog line 'Core allocation failed - available cores : N vs "
+                                 "requested cores : M' is the real one)",
+    "Model_ShapeMismatched": "an input item longer than the MXQ's max width",
+    "Model_InvalidBatchParam": "a cache_id >= the MXQ's batch size K in dump/load_cache_memory "
+                               "(BatchParam errors in infer are the documented use)",
+    "Model_NumCacheMismatched": "load_cache_memory given the wrong number of blobs",
+    "Model_BufferSizeMismatched": "a KV blob or cache file of the wrong size",
+    "Model_CacheNotFound": "no KV cache with the given name or layer hash",
+    "Model_FailedToOpenCacheFile": "load_cache_memory_from: a cache file is missing",
+    "Model_MXQAndModelConfigNotMatch": "CoreMode.Auto on an MXQ compiled for several core modes",
+}
 
 # glog severity letters; the simulator only prints errors (E) and warnings (W).
 _threshold = 3  # LogLevel.Err: print E lines; LogLevel.Off (5) silences them

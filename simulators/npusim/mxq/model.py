@@ -81,10 +81,12 @@ class Model:
     Raises (construction):
         QbRuntimeError: ``Model_FailedToLoadMXQ`` (missing/corrupt file; the glog detail names
             the reason) or ``Model_MXQAndModelConfigNotMatch`` (the config asks for a core mode
-            the artifact was not compiled for; batched artifacts allow only single or auto).
+            the artifact was not compiled for; batched artifacts allow only single or auto;
+            ``CoreMode.Auto`` on an artifact compiled for several modes).
     """
 
-    def __init__(self, path: str | os.PathLike, model_config: ModelConfig | None = None) -> None:
+    def __init__(self, path: str | os.PathLike, model_config: ModelConfig | None = None, *,
+                 _summary_only: bool = False) -> None:
         self._path = str(path)
         self._config = model_config if model_config is not None else ModelConfig()
         self._acc: Accelerator | None = None
@@ -107,6 +109,11 @@ class Model:
         self._all_logits = header["output_logits"] == "all"
         self._compiled = [CORE_MODE_NAMES[m] for m in header["core_modes"]]
         mode = self._config.get_core_mode()
+        if mode == CoreMode.Auto and len(self._compiled) > 1 and not _summary_only:
+            allowed = ", ".join(str(m) for m in self._compiled)
+            raise fail("Model_MXQAndModelConfigNotMatch",
+                       f"The MXQ is compiled for several core modes [{allowed}]: CoreMode.Auto cannot pick one; "
+                       "set one of them in the ModelConfig.", "model.cc:196")
         if mode != CoreMode.Auto and (mode not in self._compiled or (self.K > 1 and mode != CoreMode.Single)):
             allowed = ", ".join(str(m) for m in self._compiled)
             raise fail("Model_MXQAndModelConfigNotMatch",
@@ -132,7 +139,7 @@ class Model:
 
         Raises:
             QbRuntimeError: ``Model_AlreadyLaunched``; ``Acc_CoreAlreadyInUse`` (an explicitly
-                requested core is taken) or ``Acc_CoreAllocationFailed`` (not enough free cores);
+                requested core is taken) or ``Driver_FailedToClaimCores`` (not enough free cores);
                 ``BadAlloc`` (device memory exhausted, or the ``bad_alloc_at_launch`` fault).
             TypeError: ``acc`` is not an Accelerator.
         """
@@ -176,7 +183,7 @@ class Model:
             candidates = [[c for c in machine.ALL_CORES if c.cluster == cl] for cl in clusters]
         got = machine.allocate_cores(dev, self._id, candidates)
         if got is None:
-            status = "Acc_CoreAlreadyInUse" if explicit else "Acc_CoreAllocationFailed"
+            status = "Acc_CoreAlreadyInUse" if explicit else "Driver_FailedToClaimCores"
             raise fail(status, f"Core allocation failed - available cores : {len(free)} vs requested cores : {needed}", "core_allocator.cc:133")
         return got
 
@@ -286,7 +293,7 @@ class Model:
 
     def _check_item(self, length: int, cache_size: int) -> None:
         if length > self.W:
-            raise fail("Model_InvalidInputSize", f"Sequence length of inputs[0] exceeds maximum value ({length} > {self.W})", "model.cc:412")
+            raise fail("Model_ShapeMismatched", f"Sequence length of inputs[0] exceeds maximum value ({length} > {self.W})", "model.cc:412")
         if cache_size + length > self.T:
             raise fail("Model_CacheOverflow", f"Sum of sequence length and cache size exceeds max cache size ({cache_size + length} > {self.T})", "model.cc:418")
 
@@ -343,7 +350,7 @@ class Model:
             for a rank-4 input). With ``outputs``: written into ``outputs[0]``, returns None.
 
         Raises:
-            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidInputSize`` (an item longer than
+            QbRuntimeError: ``Model_NotLaunched``; ``Model_ShapeMismatched`` (an item longer than
                 W); ``Model_CacheOverflow`` (cache_size + length > T); ``Model_InvalidBatchParam``;
                 the injected ``infer_fail_*`` fault.
             ValueError: ``"Input shape is invalid."``, a negative cache_size, an output buffer of
@@ -395,14 +402,14 @@ class Model:
     # ------------------------------------------------------------------ KV memory
     def _check_cache_id(self, cache_id: int, what: str) -> int:
         if not _is_int(cache_id) or cache_id < 0 or cache_id >= self.K:
-            raise fail("Model_InvalidCacheId", f"Failed to {what} cache memory - `cache_id` ({cache_id}) exceeds maximum batch size ({self.K})", "model.cc:610")
+            raise fail("Model_InvalidBatchParam", f"Failed to {what} cache memory - `cache_id` ({cache_id}) exceeds maximum batch size ({self.K})", "model.cc:610")
         return int(cache_id)
 
     def dump_cache_memory(self, cache_id: int = 0) -> list[bytes]:
         """One blob per CacheInfo: the layer's keys then values, float32 ``[kv_heads, T, head_dim]`` C order.
 
         Raises:
-            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidCacheId`` (cache_id >= K).
+            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidBatchParam`` (cache_id >= K).
         """
         acc = self._launched()
         cid = self._check_cache_id(cache_id, "dump")
@@ -418,17 +425,18 @@ class Model:
         """Overwrite cache id ``cache_id`` with blobs from :meth:`dump_cache_memory` (exact copy).
 
         Raises:
-            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidCacheId``;
-                ``Model_InvalidCacheBuffer`` (wrong number of blobs or a wrong blob size; nothing written).
+            QbRuntimeError: ``Model_NotLaunched``; ``Model_InvalidBatchParam`` (cache_id >= K);
+                ``Model_NumCacheMismatched`` (wrong number of blobs) or
+                ``Model_BufferSizeMismatched`` (a wrong blob size); nothing is written.
         """
         acc = self._launched()
         cid = self._check_cache_id(cache_id, "load")
         bufs = list(bufs)
         if len(bufs) != len(self._infos):
-            raise fail("Model_InvalidCacheBuffer", f"Failed to load cache memory - The number of cache is mismatched (expected: {len(self._infos)}, actual: {len(bufs)})", "model.cc:640")
+            raise fail("Model_NumCacheMismatched", f"Failed to load cache memory - The number of cache is mismatched (expected: {len(self._infos)}, actual: {len(bufs)})", "model.cc:640")
         for info, b in zip(self._infos, bufs):
             if len(b) != info.size:
-                raise fail("Model_InvalidCacheBuffer", f"Failed to load cache memory - {info.name}: Wrong buffer size (expected: {info.size}, actual: {len(b)})", "model.cc:645")
+                raise fail("Model_BufferSizeMismatched", f"Failed to load cache memory - {info.name}: Wrong buffer size (expected: {info.size}, actual: {len(b)})", "model.cc:645")
         wall = time.perf_counter()
         c = self._cache(cid)
         for k, v, b in zip(c.keys, c.values, bufs):
@@ -444,7 +452,7 @@ class Model:
             if getattr(info, key) == value:
                 return i
         label = "name" if key == "name" else "layer hash"
-        raise fail("Model_InvalidCacheBuffer", f"Failed to find KV-cache whose {label} is `{value}`", "model.cc:660")
+        raise fail("Model_CacheNotFound", f"Failed to find KV-cache whose {label} is `{value}`", "model.cc:660")
 
     def _dump_one(self, key: str, value: str, cache_id: int) -> bytes:
         self._launched()
@@ -482,14 +490,15 @@ class Model:
         """Load the files :meth:`dump_cache_memory_to` wrote.
 
         Raises:
-            QbRuntimeError: ``Model_InvalidCacheBuffer`` (a file is missing or has the wrong size).
+            QbRuntimeError: ``Model_FailedToOpenCacheFile`` (a file is missing) or
+                ``Model_BufferSizeMismatched`` (a file has the wrong size).
         """
         self._launched()
         bufs = []
         for info in self._infos:
             p = Path(cache_dir) / f"cache_{info.layer_hash}.bin"
             if not p.is_file():
-                raise fail("Model_InvalidCacheBuffer", f"Failed to load cache memory - {info.name}: file '{p}' not found", "model.cc:690")
+                raise fail("Model_FailedToOpenCacheFile", f"Failed to load cache memory - {info.name}: file '{p}' not found", "model.cc:690")
             bufs.append(p.read_bytes())
         self.load_cache_memory(bufs, cache_id)
 
@@ -545,7 +554,7 @@ def get_model_summary(mxq_path: str | os.PathLike) -> str:
     Raises:
         QbRuntimeError: ``Model_FailedToLoadMXQ`` as for :class:`Model`.
     """
-    m = Model(mxq_path)
+    m = Model(mxq_path, _summary_only=True)  # a summary reads the file, whatever its core modes
     c = m._cfg
     return "\n".join([
         f"MXQ: {mxq_path}",
