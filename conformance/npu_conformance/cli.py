@@ -216,7 +216,7 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--max-cache-size", type=int, default=None, metavar="T",
                       help="KV capacity in tokens per cache id (default min(max_position_embeddings, 4096))")
     comp.add_argument("--max-width", type=int, default=None, metavar="W",
-                      help="max tokens per item per infer call (default max(128, largest chunk))")
+                      help="max tokens per item per infer call (default max(128, largest chunk); batch MXQs: at most and by default 128)")
     comp.add_argument("--core-mode", default="single", metavar="M",
                       help="auto, single (default), multi, global4 or global8")
     comp.add_argument("--prefill-chunk-size", default="128", metavar="INT|JSON",

@@ -29,7 +29,7 @@ def test_artifact_layout_and_config(mxq_hf_dir, tmp_path):
     np.testing.assert_array_equal(emb["model.embed_tokens.weight"], load_safetensors(mxq_hf_dir)["model.embed_tokens.weight"])
     assert (out / "tokenizer.json").read_bytes() == (mxq_hf_dir / "tokenizer.json").read_bytes()
     header, _ = read_mxq(out / "model.mxq")
-    assert (header["max_batch_size"], header["max_cache_size"], header["max_width"]) == (4, 256, 192)  # defaults: T=min(256, 4096), W=max(128, 192)
+    assert (header["max_batch_size"], header["max_cache_size"], header["max_width"]) == (4, 256, 128)  # defaults: T=min(256, 4096), W=128 (batch MXQ)
 
 
 @pytest.mark.parametrize(
@@ -59,3 +59,19 @@ def test_unsupported_model_type(mxq_hf_dir, tmp_path):
     (src / "config.json").write_text(json.dumps({**cfg, "model_type": "gpt2"}))
     with pytest.raises(ValueError, match="model_type 'gpt2' must be one of llama, qwen2, qwen3"):
         compile_artifact(src, tmp_path / "art")
+
+
+def test_batch_mxq_width_is_the_128_token_batch_limit(tmp_path):
+    """A batch MXQ (K > 1) is 128 wide by default even when its config advertises bigger
+    chunks (the plugin clamps those to 128), and cannot be compiled wider."""
+    from npusim import tinymodel
+    from npusim.mxq.compile import BATCH_MAX_WIDTH, compile_artifact
+    from npusim.mxq.mxqfile import read_mxq
+
+    hf = tinymodel.build("llama", tmp_path / "hf")
+    out = compile_artifact(hf, tmp_path / "k4", max_batch_size=4, prefill_chunk_size={"single": 256})
+    assert read_mxq(out / "model.mxq")[0]["max_width"] == BATCH_MAX_WIDTH == 128
+    with pytest.raises(ValueError, match=r"max_width 256 exceeds 128, the most tokens a batch MXQ"):
+        compile_artifact(hf, tmp_path / "k4w", max_batch_size=4, max_width=256)
+    one = compile_artifact(hf, tmp_path / "k1", max_batch_size=1, prefill_chunk_size={"single": 256})
+    assert read_mxq(one / "model.mxq")[0]["max_width"] == 256

@@ -822,3 +822,79 @@ def test_auto_core_mode_on_a_several_mode_artifact_is_refused_naming_the_modes(h
     text = str(info.value)
     assert "does not run in core_mode=auto" in text, text
     assert "Its compiled core modes: single, multi, global4, global8." in text, text
+
+
+def test_batch_mxq_width_is_128_and_a_lone_long_step_is_split(hf_dir, make_worker, golden, tmp_path):
+    """Issue 20 §2.1: vLLM 0.32 may give a lone request ``chunk x K`` tokens in one step, and
+    batch MXQs were compiled ``max(128, chunk)`` wide, so the seed's 128-token batch limit was
+    never exercised. A K=4 MXQ advertising chunk 256 is 128 wide; a 300-token step of one
+    request runs as pieces of at most 128 (the simulator refuses wider items) and is golden."""
+    out = compile_artifact(hf_dir, tmp_path / "k4c256", max_batch_size=4, max_cache_size=512,
+                           prefill_chunk_size={"single": 256})
+    w = make_worker(out, max_model_len=512)
+    assert w.backend.max_width == 128
+    (p,) = prompts(21, 300)
+    d = Driver(w, chunk=300)
+    d.add("lone", p, greedy(4))
+    assert d.run(["lone"])["lone"] == golden(p, 4)
+
+
+# ---------------------------------------------------------------------- user values vs vLLM defaults
+def test_vllm_defaults_are_not_taken_for_user_values(artifact, mblt_log):
+    """Issue 20 §2.3: with no ``--max-num-seqs``, vLLM's filled-in default (128 here, 256 for
+    ``vllm serve``) once counted as the user's: a K=4 artifact logged a spurious clamp, and one
+    without ``max_batch_size`` was scheduled at that many sequences on its one slot."""
+    cfg = vllm_config(artifact("k4", 4))
+    assert cfg.scheduler_config.max_num_seqs == 4
+    assert not any("Clamping scheduler max_num_seqs" in m for m in mblt_log), mblt_log
+    assert any("Setting scheduler max_num_seqs to model-configured max batch size 4." in m for m in mblt_log)
+    cfg = vllm_config(artifact("nobatch", 1, drop_batch_key=True))
+    assert cfg.scheduler_config.max_num_seqs == 1, "the vendor defaults max_batch_size to 1"
+
+
+def test_user_values_are_still_the_users(artifact, mblt_log):
+    from vllm.engine.arg_utils import EngineArgs
+
+    cfg = EngineArgs(model=str(artifact("k4", 4)), max_model_len=MAX_LEN, block_size=BLOCK,
+                     max_num_seqs=64).create_engine_config()
+    assert cfg.scheduler_config.max_num_seqs == 4
+    _attach_handlers()
+    cfg = EngineArgs(model=str(artifact("nobatch", 1, drop_batch_key=True)), max_model_len=MAX_LEN,
+                     block_size=BLOCK, max_num_seqs=3).create_engine_config()
+    assert cfg.scheduler_config.max_num_seqs == 3, "an artifact without max_batch_size keeps the user's value"
+
+
+def test_engine_level_logits_processors_are_refused_at_start_up(artifact):
+    """Issue 20 §2.7: ``--logits-processors`` were silently ignored by the host sampler."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class Boost(LogitsProcessor):  # never instantiated: refused before
+        pass
+
+    # the platform's MbltConfigError (a ValueError) reaches the caller inside pydantic's
+    # ValidationError for VllmConfig, as every config error of a platform does
+    with pytest.raises(ValueError, match=r"--logits-processors .*Boost: the MBLT worker .* no engine-level"):
+        EngineArgs(model=str(artifact("k4", 4)), max_model_len=MAX_LEN, block_size=BLOCK,
+                   logits_processors=[Boost]).create_engine_config()
+
+
+def test_bad_words_steer_greedy_away_from_the_banned_token(artifact, make_worker, golden, hf_dir):
+    """Issue 20 §2.7: ``bad_words`` (as token ids, what vLLM's processor hands the worker):
+    banning the golden first token makes greedy pick the golden runner-up, and the banned
+    token never appears."""
+    from vllm import SamplingParams
+
+    w = make_worker(artifact("k4", 4))
+    (p,) = prompts(31, 20)
+    first = golden(p, 1)[0]
+    dec = Decoder.from_pretrained(hf_dir)
+    logits = dec.prefill(p, dec.new_cache(len(p)))[-1].astype(np.float64)
+    logits[first] = -np.inf
+    runner_up = int(np.argmax(logits))
+    params = SamplingParams(temperature=0.0, max_tokens=4, bad_words=["x"])
+    params._bad_words_token_ids = [[first]]
+    d = Driver(w)
+    d.add("bw", p, params)
+    out = d.run(["bw"])["bw"]
+    assert out[0] == runner_up and first not in out, (out, first, runner_up)

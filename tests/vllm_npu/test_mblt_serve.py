@@ -237,6 +237,9 @@ def test_scheduler_plan_logged(server):
     log = server.log_text()
     assert "max_num_seqs 4, max_num_batched_tokens 256" in log, log[-3000:]
     assert "chunk=64 tokens, max_num_batched_tokens=256" in log
+    # vllm serve's default max_num_seqs (256) is not the user's: no clamp warning (issue 20 §2.3)
+    assert "Clamping scheduler max_num_seqs" not in log
+    assert "Setting scheduler max_num_seqs to model-configured max batch size 4." in log
 
 
 @pytest.mark.parametrize("prompt", PROMPTS[:3])

@@ -33,6 +33,21 @@ class MobilintModelNotBuildable(RuntimeError):
     """vLLM tried to build the placeholder model: it runs only under the MBLT worker."""
 
 
+def _record_user_scheduler_args() -> None:
+    """On an ``mblt-*`` target, record the user's scheduler arguments before vLLM defaults
+    them (:mod:`vllm_npu.mblt.engine_args`)."""
+    from vllm_npu.targets import platform_for
+
+    if platform_for("mblt", "x") is None:
+        return
+    try:
+        from vllm_npu.mblt import engine_args
+
+        engine_args.install()
+    except Exception as exc:  # noqa: BLE001 - a general plugin must never raise
+        logger.warning("MBLT: could not record the user's scheduler arguments: %s", exc)
+
+
 def register() -> None:
     """vLLM general-plugin entry point (group ``vllm.general_plugins``, name ``mblt_models``).
 
@@ -42,6 +57,7 @@ def register() -> None:
     global _REGISTERED
     if _REGISTERED:
         return
+    _record_user_scheduler_args()
     try:
         from transformers import AutoConfig
         from vllm import ModelRegistry

@@ -60,18 +60,30 @@ class MbltPlatform(NpuPlatform):
 
         Raises:
             vllm_npu.mblt.settings.MbltConfigError: a bad ``--model-loader-extra-config``
-                or artifact value (the message names it and the rule).
+                or artifact value (the message names it and the rule); engine-level
+                ``--logits-processors`` (the host sampler would ignore them).
         """
-        from vllm_npu.mblt import settings
+        from vllm_npu.mblt import engine_args, settings
 
         sched = vllm_config.scheduler_config
         cache = vllm_config.cache_config
+        procs = getattr(vllm_config.model_config, "logits_processors", None)
+        if procs:
+            names = ", ".join(p if isinstance(p, str) else f"{p.__module__}.{p.__qualname__}" for p in procs)
+            raise settings.MbltConfigError(
+                f"--logits-processors {names}: the MBLT worker samples the MXQ's logits with vLLM's "
+                "Sampler on the host and runs no engine-level logits processors; they would be "
+                "ignored silently. Start without --logits-processors."
+            )
         overrides = settings.parse_loader_extra_config(vllm_config.load_config.model_loader_extra_config)
+        # the user's own values (None when not given), not vLLM's defaults
+        user = engine_args.captured() or {"max_num_seqs": sched.max_num_seqs,
+                                          "max_num_batched_tokens": sched.max_num_batched_tokens}
         plan = settings.plan_scheduler(
             artifact_config(vllm_config),
             overrides,
-            user_max_num_seqs=sched.max_num_seqs,
-            user_max_num_batched_tokens=sched.max_num_batched_tokens,
+            user_max_num_seqs=user["max_num_seqs"],
+            user_max_num_batched_tokens=user["max_num_batched_tokens"],
             user_block_size=cache.block_size if cache.user_specified_block_size else None,
             user_enable_prefix_caching=cache.enable_prefix_caching,
         )

@@ -617,9 +617,7 @@ def plan_scheduler(
       (warning); a smaller one is kept.
     * chunk from :func:`resolve_prefill_chunk`; a user ``--max-num-batched-tokens`` lowers it
       to ``min(user, chunk)``.
-    * ``max_num_seqs > 1``: ``max_num_batched_tokens = chunk * max_num_seqs``, long-prefill
-      threshold ``chunk``, both partial-prefill counts ``max_num_seqs``. Otherwise
-      ``max_num_batched_tokens = chunk``, threshold ``chunk``, partial counts 1.
+    * ``max_num_batched_tokens = chunk * max_num_seqs``, long-prefill threshold ``chunk``.
 
     Raises:
         MbltConfigError: a ``user_*`` value is not a positive int (or bool for prefix

@@ -57,6 +57,11 @@ def _compiled_modes(core_mode: str, k: int) -> list[str]:
     return ["single"] if k > 1 else ["single", "multi", "global4", "global8"]
 
 
+#: Most tokens per item per infer of a batch MXQ (max_batch_size > 1): the seed's "qbruntime
+#: batch execution limit" of 128, to which vllm-mblt clamps batch models' chunked prefill.
+BATCH_MAX_WIDTH = 128
+
+
 def compile_artifact(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -76,8 +81,11 @@ def compile_artifact(
         max_batch_size: K, cache ids per Model (>= 1; > 1 needs core_mode single or auto).
         max_cache_size: T, KV capacity in tokens per cache id; default
             ``min(max_position_embeddings, 4096)``; ``1 <= T <= max_position_embeddings``.
-        max_width: W, max tokens per item per infer call; default ``max(128, max chunk value)``;
-            must be >= every chunk value.
+        max_width: W, max tokens per item per infer call. Non-batch MXQs: default
+            ``max(128, max chunk value)``, and at least every chunk value. Batch MXQs (K > 1):
+            default and most :data:`BATCH_MAX_WIDTH` (128, the qbruntime batch execution limit
+            the seed states); their config may still advertise larger chunks, which the plugin
+            clamps to 128.
         core_mode: auto, single, multi, global4 or global8.
         prefill_chunk_size: int >= 1, or a dict of core-mode / ``default`` keys to ints >= 1
             (written to config.json as ``npu_prefill_chunk_size``).
@@ -110,9 +118,15 @@ def compile_artifact(
     t = min(max_pos, MAX_DEFAULT_CACHE) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
     if t > max_pos:
         raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
-    w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)
-    if w < max(chunks):
-        raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+    if k > 1:  # a batch MXQ's width is qbruntime's batch execution limit
+        w = BATCH_MAX_WIDTH if max_width is None else _positive_int("max_width", max_width)
+        if w > BATCH_MAX_WIDTH:
+            raise ValueError(f"max_width {w} exceeds {BATCH_MAX_WIDTH}, the most tokens a batch MXQ "
+                             f"(max_batch_size {k} > 1) takes per item per infer")
+    else:
+        w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)
+        if w < max(chunks):
+            raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
     weights = load_safetensors(src)
     Decoder(cfg, weights, source=str(src))  # validates every tensor the artifact needs
     arch = cfg.model_type

@@ -1,0 +1,64 @@
+"""The user's own scheduler arguments, recorded before vLLM fills its defaults (MBLT).
+
+By the time the platform's ``check_and_update_config`` runs, ``max_num_seqs`` and
+``max_num_batched_tokens`` hold vLLM's defaults when the user gave none (256 and 2048 for
+``vllm serve``, 128 and 2048 for a bare ``EngineArgs``), and the plan cannot tell them from
+user values: every default start of a batch artifact logged a spurious clamp warning, and an
+artifact without ``max_batch_size`` was scheduled at 256 sequences on its one slot, where the
+vendor defaults ``max_batch_size`` to 1.
+
+vLLM's ``EngineArgs`` fields are None until ``create_engine_config`` fills them, so, as
+vllm-rbln does for its own arguments (and :mod:`vllm_npu.rbln.engine_args` for ours),
+:func:`install` wraps ``EngineArgs.create_engine_config`` from the MBLT general plugin (which
+every vLLM process runs first) and records the two values as given (None when not given) in
+an environment variable, which a spawned engine process inherits. Active only for the
+``mblt-*`` targets; idempotent.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Mapping
+
+__all__ = ["USER_ARGS_ENV", "UserSchedulerArgs", "captured", "install"]
+
+USER_ARGS_ENV = "_NPU_HARNESS_MBLT_USER_SCHEDULER_ARGS"
+_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
+
+
+class UserSchedulerArgs(dict):
+    """``{"max_num_seqs": int | None, "max_num_batched_tokens": int | None}`` as the user gave them."""
+
+
+def install() -> bool:
+    """Wrap ``EngineArgs.create_engine_config`` (once). Returns whether it is wrapped now."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    if getattr(EngineArgs, "_npu_harness_mblt_patched", False):
+        return True
+    original = EngineArgs.create_engine_config
+
+    @functools.wraps(original)
+    def create_engine_config(self, *args, **kwargs):
+        os.environ[USER_ARGS_ENV] = json.dumps({name: getattr(self, name, None) for name in _FIELDS})
+        return original(self, *args, **kwargs)
+
+    EngineArgs.create_engine_config = create_engine_config
+    EngineArgs._npu_harness_mblt_patched = True
+    return True
+
+
+def captured(environ: Mapping[str, str] | None = None) -> UserSchedulerArgs | None:
+    """The values :func:`install` recorded, or None when nothing was (a config built without
+    ``EngineArgs``: the caller then takes the config's values as the user's)."""
+    env = os.environ if environ is None else environ
+    raw = env.get(USER_ARGS_ENV, "")
+    if not raw:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return UserSchedulerArgs({name: data.get(name) for name in _FIELDS})
