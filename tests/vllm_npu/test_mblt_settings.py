@@ -220,7 +220,11 @@ def test_rejected_configs_name_key_value_and_rule(raw, words):
     ({"global8": 512}, None, 64 * 8),
     ({"single": 64, "global4": 256}, "auto", None),
     ({"single": 64, "global4": 256}, None, None),
-    ({"auto": 48, "single": 64}, "auto", 48),
+    ({"auto": 48, "single": 64}, "auto", 64),  # auto is never a key: the one usable entry
+    ({"auto": 48}, "auto", None),
+    ({"single": "x", "global4": 256}, "auto", 256),  # an unusable value is skipped
+    ({"single": 0, "default": 32}, "single", 32),
+    ({"turbo": 9, "single": 64}, "single", 64),
     (200, "global8", 200),
     ("200", None, 200),
     (None, "single", None),
@@ -245,8 +249,7 @@ def test_single_entry_under_auto_is_logged_at_info(caplog):
     assert "'global4'=256" in caplog.records[0].getMessage()
 
 
-@pytest.mark.parametrize("raw", [0, -1, True, False, 1.0, "", "abc", "-5", "0", "\u0663", [64],
-                                 {"single": "x"}])
+@pytest.mark.parametrize("raw", [0, -1, True, False, 1.0, "", "abc", "-5", "0", "\u0663", [64]])
 def test_resolve_positive_int_rejects(raw):
     with pytest.raises(MbltConfigError, match="npu_prefill_chunk_size"):
         resolve_positive_int(raw, name="npu_prefill_chunk_size", core_mode="single")
@@ -264,11 +267,12 @@ def test_positive_int_passes_through_for_every_mode(value, mode, as_text):
     assert resolve_positive_int(raw, name="max_batch_size", core_mode=mode) == value
 
 
-@given(table=st.dictionaries(st.sampled_from(CORE_MODES), st.integers(1, 4096), min_size=1),
+@given(table=st.dictionaries(st.sampled_from([m for m in CORE_MODES if m != "auto"]), st.integers(1, 4096),
+                             min_size=1),
        mode=st.sampled_from(CORE_MODES))
 def test_own_core_mode_entry_always_wins(table, mode):
     with_default = {**table, "default": 7}
-    expected = table.get(mode, 7)
+    expected = 7 if mode == "auto" else table.get(mode, 7)  # auto is never a key
     assert resolve_positive_int(with_default, name="n", core_mode=mode) == expected
 
 
@@ -437,3 +441,14 @@ def test_config_dev_no_is_parsed_strictly_naming_the_file(raw):
 def test_config_dev_no_forms():
     assert parse_dev_no(2, source="x") == (2,)
     assert parse_dev_no([0, 1], source="x") == (0, 1)
+
+
+def test_unusable_dict_entries_are_skipped_with_a_warning_naming_them(caplog):
+    """Issue 20 §2.6: an unusable entry once aborted start-up; vllm-mblt skips it."""
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
+        got = resolve_positive_int({"auto": 48, "single": "x", "global4": 256}, name="npu_prefill_chunk_size",
+                                   core_mode="global4")
+    assert got == 256
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Skipping npu_prefill_chunk_size entry 'auto'=48: the key is not a core mode (auto is never a key" in text
+    assert "Skipping npu_prefill_chunk_size entry 'single'='x'" in text

@@ -189,14 +189,35 @@ def _positive_int_spec(raw: object, *, name: str) -> int | dict[str, int]:
     return parse_int(raw, name=name, minimum=1)
 
 
+def _usable_entries(raw: Mapping[object, object], *, name: str) -> dict[str, int]:
+    """A model config's core-mode dict, its unusable entries skipped with a warning each:
+    keys that are not core modes or ``default``/``DEFAULT`` (``auto`` is never a key, the
+    seed says), and values that are not positive ints or digit strings."""
+    keys = tuple(m for m in CORE_MODES if m != "auto") + DEFAULT_KEYS
+    out: dict[str, int] = {}
+    for key, value in raw.items():
+        if key not in keys:
+            logger.warning("Skipping %s entry %r=%r: the key is not a core mode (auto is never a key; "
+                           "expected one of %s).", name, key, value, list(keys))
+            continue
+        try:
+            out[key] = parse_int(value, name=f"{name}[{key!r}]", minimum=1)
+        except MbltConfigError as exc:
+            logger.warning("Skipping %s entry %r=%r: %s", name, key, value, exc)
+    return out
+
+
 def resolve_positive_int(raw: object, *, name: str, core_mode: str | None) -> int | None:
     """Resolve a model-configured positive int that may be keyed by core mode.
 
     ``raw`` is a positive int, a digit string, or a dict from core modes (and ``"default"`` /
-    ``"DEFAULT"``) to such values. A dict resolves to, in order: the entry for ``core_mode``;
-    the ``"default"`` then ``"DEFAULT"`` entry; when ``core_mode`` is None or ``"auto"`` and
-    the dict has exactly one entry, that entry (a global-scheme batch MXQ ships only the mode
-    it was compiled for; logged at info). Otherwise a warning is logged and None returned.
+    ``"DEFAULT"``) to such values. A dict's unusable entries (an ``auto`` or unknown key, a
+    value that is not a positive int) are skipped with a warning, as vllm-mblt skips them;
+    the usable ones resolve to, in order: the entry for ``core_mode`` (never for ``auto``,
+    which is never a key); the ``"default"`` then ``"DEFAULT"`` entry; when ``core_mode`` is
+    None or ``"auto"`` and exactly one usable entry exists, that entry (a global-scheme batch
+    MXQ ships only the mode it was compiled for; logged at info). Otherwise a warning is
+    logged and None returned.
 
     Args:
         raw: the value; None resolves to None.
@@ -204,18 +225,16 @@ def resolve_positive_int(raw: object, *, name: str, core_mode: str | None) -> in
         core_mode: the resolved core mode (one of :data:`CORE_MODES`) or None.
 
     Raises:
-        MbltConfigError: ``raw`` (or a dict value) is not a positive int or digit string
-            (0, negatives, bools, floats, other strings), a dict is empty or has a key that
-            is neither a core mode nor ``default``/``DEFAULT``, or ``core_mode`` is not a
-            core mode.
+        MbltConfigError: a non-dict ``raw`` that is not a positive int or digit string (0,
+            negatives, bools, floats, other strings), or ``core_mode`` is not a core mode.
     """
     core_mode = _check_core_mode(core_mode, name="core_mode")
     if raw is None:
         return None
-    spec = _positive_int_spec(raw, name=name)
-    if isinstance(spec, int):
-        return spec
-    if core_mode is not None and core_mode in spec:
+    if not isinstance(raw, Mapping):
+        return parse_int(raw, name=name, minimum=1)
+    spec = _usable_entries(raw, name=name)
+    if core_mode not in (None, "auto") and core_mode in spec:
         return spec[core_mode]
     for key in DEFAULT_KEYS:
         if key in spec:
