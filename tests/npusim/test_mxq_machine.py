@@ -63,7 +63,9 @@ def test_configure_rejects_bad_values(mxq_machine):
 
 def test_accelerator_device_errors(mxq_machine, glog):
     mxq_machine.configure(devices=2)
-    assert qb.Accelerator(1).get_device_name() == "aries"
+    # auto and the base name resolve to the concrete device, as the real core does
+    assert qb.Accelerator(1).get_device_name() == "aries-rb"
+    assert qb.Accelerator("aries", 1).get_device_name() == "aries-rb"
     assert qb.Accelerator("aries-rb", 1).get_device_name() == "aries-rb"
     glog()
     with pytest.raises(qb.QbRuntimeError) as exc:

@@ -177,6 +177,18 @@ def test_shapes_buffer_and_cache_infos_before_launch(mxq_machine, mxq_artifact):
     h = single.get_model_variant_handle(0)
     assert h.get_variant_idx() == 0 and h.get_model_input_shape() == [(1, -1, 128)]
     assert h.get_model_output_shape() == [(1, 1, 256)]
+    # as the real core: a bad variant index is a QbRuntimeError, data types are one DataType
+    with pytest.raises(qb.QbRuntimeError) as exc:
+        single.get_model_variant_handle(1)
+    assert exc.value.status == "Model_InvalidVariantIdx"
+    assert single.get_model_input_data_type() == qb.DataType.Float32 == single.get_model_output_data_type()
+
+
+def test_load_creates_an_accelerator_and_launches(mxq_machine, mxq_artifact):
+    """``qbruntime.load`` declares the Accelerator, the Model and launches, in one step."""
+    m = qb.load(str(mxq_artifact()))
+    assert m.get_device_names() == ["aries-rb"] and m.get_target_cores()
+    m.dispose()
 
 
 def test_lifecycle_weakref_identity_and_launch_twice(mxq_machine, mxq_artifact, glog):
@@ -187,7 +199,7 @@ def test_lifecycle_weakref_identity_and_launch_twice(mxq_machine, mxq_artifact, 
     acc = qb.Accelerator()
     assert m._acc is None
     m.launch(acc)
-    assert m._acc is acc and m.get_device_names() == ["aries"]
+    assert m._acc is acc and m.get_device_names() == ["aries-rb"]
     assert m.get_core_mode() == qb.CoreMode.Single and len(m.get_target_cores()) == 1
     glog()
     with pytest.raises(QbRuntimeError) as exc:

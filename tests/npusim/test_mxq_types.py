@@ -34,12 +34,15 @@ def test_enum_str_and_hash():
     assert {qb.Cluster.Cluster0: 1}[qb.Cluster.Cluster0] == 1
 
 
-def test_core_id_is_frozen_hashable_and_ordered():
+def test_core_id_is_frozen_unhashable_and_ordered():
+    """Unhashable as the real ``qbruntime.CoreId`` (``__eq__`` without ``__hash__``), so a
+    plugin that keys a dict or set by it fails here, not first on the board."""
     a = qb.CoreId(qb.Cluster.Cluster0, qb.Core.Core3)
     b = qb.CoreId(qb.Cluster.Cluster1, qb.Core.Core0)
     assert a == qb.CoreId(qb.Cluster.Cluster0, qb.Core.Core3) and a != b
     assert a < b and not b < a and sorted([b, a]) == [a, b]
-    assert len({a, b, qb.CoreId(qb.Cluster.Cluster0, qb.Core.Core3)}) == 2
+    with pytest.raises(TypeError, match="unhashable"):
+        {a, b}  # noqa: B018
     with pytest.raises(AttributeError):
         a.core = qb.Core.Core0  # type: ignore[misc]
 
@@ -72,3 +75,16 @@ def test_set_log_level_off_silences_details(mxq_machine, capsys):
     with pytest.raises(qb.QbRuntimeError):
         qb.Accelerator()
     assert "No NPU device found in the system." in capsys.readouterr().err
+
+
+def test_info_constructors_take_keywords_with_defaults():
+    """As the real ``BufferInfo``/``CacheInfo``: every field a keyword with a default."""
+    b = qb.BufferInfo(max_width=128, max_cache_size=4096)
+    assert (b.max_width, b.max_cache_size, b.height, b.original_width, b.reshaped_channel) == (128, 4096, 0, 0, 0)
+    c = qb.CacheInfo(name="layer0.kv", size=64)
+    assert (c.cache_type, c.name, c.layer_hash, c.size, c.num_batches) == (qb.CacheType.Error, "layer0.kv", "", 64, 0)
+
+
+def test_log_level_values_are_the_real_ones():
+    assert [m.value for m in (qb.LogLevel.Debug, qb.LogLevel.Info, qb.LogLevel.Warn, qb.LogLevel.Err,
+                              qb.LogLevel.Fatal, qb.LogLevel.Off)] == [1, 2, 3, 4, 5, 6]

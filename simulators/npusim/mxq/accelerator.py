@@ -35,7 +35,8 @@ class Accelerator:
             if device_name == "auto":
                 raise fail("Acc_DeviceNotFound", "No NPU device found in the system.", "device.cc:239")
             raise fail("Driver_NotInitialized", f"Failed to open device {device_name} #{dev_no}: no such device.", "driver.cc:88")
-        self._name = "aries" if device_name == "auto" else device_name
+        # auto and a base name resolve to the concrete device, as the real core does
+        self._name = "aries-rb" if device_name in ("auto", "aries") else device_name
         self._dev_no = dev_no
 
     @property
@@ -46,7 +47,8 @@ class Accelerator:
         return f"Accelerator(device_name={self._name!r}, dev_no={self._dev_no})"
 
     def get_device_name(self) -> str:
-        """``"aries"`` for ``auto``, else the name given."""
+        """The resolved device name: ``"aries-rb"`` (the simulated card) for ``auto`` and
+        ``aries``, as the real core resolves them."""
         return self._name
 
     def get_dev_no(self) -> int:

@@ -59,7 +59,8 @@ class ModelConfig:
             if not ids:
                 log("Invalid core ID: `core_ids` must not be empty.", "model_config.cc:49")
                 return False
-            self._mode, self._core_ids, self._num_cores, self._clusters = CoreMode.Single, sorted(set(ids)), len(set(ids)), []
+            unique = sorted({(c.cluster.value, c.core.value): c for c in ids}.values())  # CoreId is unhashable
+            self._mode, self._core_ids, self._num_cores, self._clusters = CoreMode.Single, unique, len(unique), []
             return True
         n = 1 if num_cores is None else num_cores
         if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 8:

@@ -40,6 +40,7 @@ STATUS_CODES: tuple[str, ...] = (
     "Model_CacheNotFound",
     "Model_FailedToOpenCacheFile",
     "Model_MXQAndModelConfigNotMatch",
+    "Model_InvalidVariantIdx",
 )
 
 #: Statuses the simulator raises where no board or vendor code showed which status follows
@@ -59,11 +60,11 @@ INFERRED_STATUSES: dict[str, str] = {
 }
 
 # glog severity letters; the simulator only prints errors (E) and warnings (W).
-_threshold = 3  # LogLevel.Err: print E lines; LogLevel.Off (5) silences them
+_threshold = 4  # LogLevel.Err: print E lines; LogLevel.Off (6) silences them
 
 
 def set_log_threshold(level: int) -> None:
-    """Print detail lines of severity ``>= level`` (0 Debug .. 4 Fatal, 5 Off)."""
+    """Print detail lines of severity ``>= level`` (``LogLevel`` values: 1 Debug .. 5 Fatal, 6 Off)."""
     global _threshold
     _threshold = int(level)
 
@@ -97,7 +98,7 @@ def glog_line(detail: str, source: str = "model.cc:0", severity: str = "E") -> s
 
 def log(detail: str, source: str = "model.cc:0", severity: str = "E") -> None:
     """Print one detail line to ``sys.stderr`` if the log level lets it through."""
-    level = {"W": 2, "E": 3}.get(severity, 3)
+    level = {"W": 3, "E": 4}.get(severity, 4)  # LogLevel.Warn, LogLevel.Err
     if level >= _threshold:
         sys.stderr.write(glog_line(detail, source, severity) + "\n")
         sys.stderr.flush()

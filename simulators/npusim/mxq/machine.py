@@ -124,12 +124,13 @@ class Device:
     def __init__(self, dev_no: int) -> None:
         self.dev_no = dev_no
         self.clock_us = 0.0
-        self.cores_in_use: dict[CoreId, int] = {}  # core -> owner model identifier
+        # (cluster, core) -> owner model identifier (CoreId is unhashable, as in qbruntime)
+        self.cores_in_use: dict[tuple[Cluster, Core], int] = {}
         self.memory_used = 0  # bytes
 
     def free_cores(self) -> list[CoreId]:
         """Cores not held by any launched model, in order."""
-        return [c for c in ALL_CORES if c not in self.cores_in_use]
+        return [c for c in ALL_CORES if core_key(c) not in self.cores_in_use]
 
     def advance(self, cost_us: float, wall_start: float | None = None) -> tuple[float, float]:
         """Advance the clock by ``cost_us``; with ``pace``, sleep until ``wall_start + cost``.
@@ -260,13 +261,18 @@ def note_infer_ok() -> None:
         _state.infers_ok += 1
 
 
+def core_key(core: CoreId) -> tuple[Cluster, Core]:
+    """A hashable key for ``core`` (``CoreId`` itself is unhashable, as in qbruntime)."""
+    return (core.cluster, core.core)
+
+
 def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]]) -> list[CoreId] | None:
     """Take the first candidate core group whose cores are all free; None if none is."""
     with _lock:
         for group in candidates:
-            if all(c not in dev.cores_in_use for c in group):
+            if all(core_key(c) not in dev.cores_in_use for c in group):
                 for c in group:
-                    dev.cores_in_use[c] = owner
+                    dev.cores_in_use[core_key(c)] = owner
                 return list(group)
         return None
 

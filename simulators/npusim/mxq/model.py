@@ -49,6 +49,14 @@ _ids = itertools.count(1)
 _SRC = "model.cc"
 
 
+def _buffer_info(height: int, width: int, channel: int, max_cache_size: int) -> BufferInfo:
+    """A buffer of ``height x width x channel`` at its maximum (not reshaped)."""
+    return BufferInfo(original_height=height, original_width=width, original_channel=channel,
+                      reshaped_height=height, reshaped_width=width, reshaped_channel=channel,
+                      height=height, width=width, channel=channel, max_height=height, max_width=width,
+                      max_channel=channel, max_cache_size=max_cache_size)
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)
 
@@ -244,9 +252,11 @@ class Model:
         return 1
 
     def get_model_variant_handle(self, idx: int) -> ModelVariantHandle:
-        """Raises: ValueError: ``idx`` is not 0 (the only variant)."""
+        """Raises: QbRuntimeError: ``Model_InvalidVariantIdx`` when ``idx`` is not 0 (the
+        only variant), as the real core raises."""
         if idx != 0:
-            raise ValueError(f"model variant index {idx!r} is out of range [0, 1)")
+            raise fail("Model_InvalidVariantIdx", f"Invalid variant index {idx!r}: the model has 1 variant(s).",
+                       "model.cc:230")
         return ModelVariantHandle(self, 0)
 
     def get_model_input_shape(self) -> list[tuple[int, ...]]:
@@ -261,17 +271,18 @@ class Model:
     def get_input_buffer_info(self) -> list[BufferInfo]:
         """``max_width`` = W tokens per item per call, ``max_cache_size`` = T tokens per cache id."""
         h = self._cfg.hidden_size
-        return [BufferInfo(1, self.W, h, 1, self.W, h, self.T)]
+        return [_buffer_info(1, self.W, h, self.T)]
 
     def get_output_buffer_info(self) -> list[BufferInfo]:
         """``max_width``: W for full logits, K for last-logit batch artifacts, else 1."""
         w = self.W if self._all_logits else (self.K if self.K > 1 else 1)
         v = self._cfg.vocab_size
-        return [BufferInfo(1, w, v, 1, w, v, 0)]
+        return [_buffer_info(1, w, v, 0)]
 
-    def get_model_input_data_type(self) -> list[DataType]:
-        """``[DataType.Float32]``: inputs and outputs are float32."""
-        return [DataType.Float32]
+    def get_model_input_data_type(self) -> DataType:
+        """``DataType.Float32`` (one ``DataType``, as the real module returns): inputs and
+        outputs are float32."""
+        return DataType.Float32
 
     get_model_output_data_type = get_model_input_data_type
 
@@ -544,8 +555,18 @@ def _check_header(h: dict[str, Any]) -> dict[str, Any]:
 
 
 def load(path: str | os.PathLike, model_config: ModelConfig | None = None) -> Model:
-    """``Model(path, model_config)`` (not launched)."""
-    return Model(path, model_config)
+    """As the real ``qbruntime.load``: an ``Accelerator()``, ``Model(path, model_config)``,
+    and the model launched on it.
+
+    Raises:
+        QbRuntimeError: whatever ``Accelerator()``, ``Model`` or ``launch`` raise.
+    """
+    from .accelerator import Accelerator
+
+    acc = Accelerator()
+    model = Model(path, model_config)
+    model.launch(acc)
+    return model
 
 
 def get_model_summary(mxq_path: str | os.PathLike) -> str:

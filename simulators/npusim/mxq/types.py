@@ -88,14 +88,15 @@ class DataType(_QbEnum):
 
 
 class LogLevel(_QbEnum):
-    """Minimum severity printed to stderr (``Off`` prints nothing)."""
+    """Minimum severity printed to stderr (``Off`` prints nothing). Values as the real core's
+    (Debug..Off = 1..6)."""
 
-    Debug = 0
-    Info = 1
-    Warn = 2
-    Err = 3
-    Fatal = 4
-    Off = 5
+    Debug = 1
+    Info = 2
+    Warn = 3
+    Err = 4
+    Fatal = 5
+    Off = 6
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,10 @@ class CoreId:
 
     cluster: Cluster
     core: Core
+
+    #: unhashable, as the real ``qbruntime.CoreId`` (it defines ``__eq__`` only): code that
+    #: keys dicts or sets by ``CoreId`` breaks on the board, so it breaks here first
+    __hash__ = None  # type: ignore[assignment]
 
     def __lt__(self, other: CoreId) -> bool:
         if not isinstance(other, CoreId):
@@ -146,52 +151,36 @@ class CacheInfo:
         num_batches: number of cache ids (K).
     """
 
-    cache_type: CacheType
-    name: str
-    layer_hash: str
-    size: int
-    num_batches: int
+    cache_type: CacheType = CacheType.Error
+    name: str = ""
+    layer_hash: str = ""
+    size: int = 0
+    num_batches: int = 0
 
 
 @dataclass(frozen=True)
 class BufferInfo:
-    """Geometry of one input or output buffer (HWC), in elements.
+    """Geometry of one input or output buffer (HWC), in elements; the real constructor's
+    fields, in its order, every one defaulting to 0 (``BufferInfo(max_width=128)`` works).
 
     ``width`` is the dynamic (token) axis: ``max_width`` is its upper bound per call.
-    ``max_cache_size`` is the KV capacity in tokens per cache id (0 for outputs).
+    ``max_cache_size`` is the KV capacity in tokens per cache id (0 for outputs). The
+    simulator's buffers are not reshaped: ``original_*`` and ``reshaped_*`` equal the plain ones.
     """
 
-    height: int
-    width: int
-    channel: int
-    max_height: int
-    max_width: int
-    max_channel: int
+    original_height: int = 0
+    original_width: int = 0
+    original_channel: int = 0
+    reshaped_height: int = 0
+    reshaped_width: int = 0
+    reshaped_channel: int = 0
+    height: int = 0
+    width: int = 0
+    channel: int = 0
+    max_height: int = 0
+    max_width: int = 0
+    max_channel: int = 0
     max_cache_size: int = 0
-
-    @property
-    def original_height(self) -> int:
-        return self.height
-
-    @property
-    def original_width(self) -> int:
-        return self.width
-
-    @property
-    def original_channel(self) -> int:
-        return self.channel
-
-    @property
-    def reshaped_height(self) -> int:
-        return self.height
-
-    @property
-    def reshaped_width(self) -> int:
-        return self.width
-
-    @property
-    def reshaped_channel(self) -> int:
-        return self.channel
 
     def size(self) -> int:
         """Elements of the buffer at its maximum geometry."""
