@@ -88,3 +88,20 @@ def test_info_constructors_take_keywords_with_defaults():
 def test_log_level_values_are_the_real_ones():
     assert [m.value for m in (qb.LogLevel.Debug, qb.LogLevel.Info, qb.LogLevel.Warn, qb.LogLevel.Err,
                               qb.LogLevel.Fatal, qb.LogLevel.Off)] == [1, 2, 3, 4, 5, 6]
+
+
+def test_advanced_names_exist_with_real_signatures_and_name_the_issue(mxq_machine, mxq_artifact):
+    """The names transformers-mblt's MoE and advanced paths use exist, and say they are not
+    built (issue 20 §1): a clear NotImplementedError, never an AttributeError."""
+    import inspect
+
+    for cls, args in ((qb.Scale, (1.0, True, [])), (qb.Buffer, ()), (qb.NPUData, ()), (qb.PinnedMemory, ()),
+                      (qb.Future, ())):
+        with pytest.raises(NotImplementedError, match=r"issue 13"):
+            cls(*args)
+    m = qb.Model(str(mxq_artifact()))
+    assert list(inspect.signature(m.acquire_input_npu_data).parameters) == ["shape", "idx", "upload", "dtype"]
+    for call in (m.get_input_scale, m.infer_speedrun, lambda: m.infer_npu_data([]), lambda: m.infer_buffer([], []),
+                 lambda: m.acquire_input_buffer(), lambda: m.infer_async_to_float([])):
+        with pytest.raises(NotImplementedError, match=r"qbruntime Model\.\w+ is not simulated .*issue 13"):
+            call()

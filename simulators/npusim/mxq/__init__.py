@@ -13,12 +13,14 @@ Modules: :mod:`~npusim.mxq.types` (enums, value classes), :mod:`~npusim.mxq.erro
 :mod:`~npusim.mxq.machine` (simulated cards, clock, costs, faults; env ``NPUSIM_MXQ``),
 :mod:`~npusim.mxq.accelerator`, :mod:`~npusim.mxq.model`, :mod:`~npusim.mxq.mxqfile` (our
 ``.mxq`` format, ``FORMAT.md``), :mod:`~npusim.mxq.tracing`, :mod:`~npusim.mxq.compile`
-(``compile_artifact``, behind ``npu-harness mxq compile``).
+(``compile_artifact``, behind ``npu-harness mxq compile``), :mod:`~npusim.mxq.advanced` (the
+buffer / NPU-data / scale / async names, real signatures, ``NotImplementedError`` until issue 13).
 """
 
 from __future__ import annotations
 
 from .accelerator import Accelerator, get_available_device_numbers, get_available_devices
+from .advanced import Buffer, Future, NPUData, PinnedMemory, Scale
 from .config import ModelConfig
 from .errors import QbRuntimeError, set_log_threshold
 from .model import Model, ModelVariantHandle, get_model_summary, load
@@ -39,7 +41,7 @@ def set_log_level(level: LogLevel) -> None:
 
 
 __all__ = [
-    "Accelerator", "BatchParam", "BufferInfo", "CacheInfo", "CacheType", "Cluster", "Core", "CoreAllocationPolicy",
+    "Accelerator", "BatchParam", "Buffer", "BufferInfo", "Future", "NPUData", "PinnedMemory", "Scale", "CacheInfo", "CacheType", "Cluster", "Core", "CoreAllocationPolicy",
     "CoreId", "CoreMode", "DataType", "LogLevel", "Model", "ModelConfig", "ModelVariantHandle", "QbRuntimeError",
     "__version__", "get_available_device_numbers", "get_available_devices", "get_model_summary", "load",
     "set_log_level", "start_tracing_events", "stop_tracing_events",

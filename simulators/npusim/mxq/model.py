@@ -38,6 +38,7 @@ from .accelerator import Accelerator
 from .config import ModelConfig
 from .errors import fail
 from .mxqfile import MxqFormatError, read_mxq
+from .advanced import AdvancedModelApi
 from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
 
 __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
@@ -83,7 +84,7 @@ class ModelVariantHandle:
         return self._model.get_output_buffer_info()
 
 
-class Model:
+class Model(AdvancedModelApi):
     """An MXQ model: ``Model(path, model_config=None)``, then ``launch(acc)``, ``infer``, ``dispose``.
 
     Raises (construction):
