@@ -48,11 +48,11 @@ def penalties_enabled(environ: Mapping[str, str] | None = None) -> bool:
     )
 
 
-def num_logprobs(params: object, vocab_size: int) -> int | None:
-    """How many top logprobs a request asked for: None when it asked for none, the whole
-    vocabulary for ``logprobs=-1`` (vLLM's meaning of -1, as its own input batch reads it),
-    else the number, at most ``vocab_size``."""
-    n = getattr(params, "logprobs", None) if params is not None else None
+def num_logprobs(params: object, vocab_size: int, field: str = "logprobs") -> int | None:
+    """How many top logprobs a request asked for in ``field`` (``logprobs`` or
+    ``prompt_logprobs``): None when it asked for none, the whole vocabulary for -1 (vLLM's
+    meaning of -1, as its own input batch reads it), else the number, at most ``vocab_size``."""
+    n = getattr(params, field, None) if params is not None else None
     if n is None:
         return None
     n = int(n)

@@ -80,7 +80,7 @@ def test_bind_saves_the_previous_holder_and_restores_the_new_one():
 def test_restore_of_a_cache_whose_host_copy_is_short_is_refused():
     dev = Device()
     t, _ = table(dev)
-    a, b = RequestKV((0, 1), owner="req-a"), RequestKV((0, 1))
+    a, b = RequestKV((0, 1), owner="req_id=req-a"), RequestKV((0, 1))
     t.bind(a)
     run(dev, a, 0, [1, 2, 3])
     t.bind(b)
@@ -103,7 +103,7 @@ def test_truncate_keeps_the_host_copy_valid_up_to_the_cut():
 
 
 def test_note_write_gap_is_refused_and_overwrite_invalidates_host():
-    a = RequestKV((0, 0), token_ids=[1, 2, 3], host=[b"x"], host_len=3, owner="r1")
+    a = RequestKV((0, 0), token_ids=[1, 2, 3], host=[b"x"], host_len=3, owner="req_id=r1")
     with pytest.raises(MbltCacheStateError,
                        match=r"^Cannot infer from position 4: the cache of req_id=r1 on slot "
                              r"\(model_idx=0, cache_id=0\) holds 3 tokens\.$"):

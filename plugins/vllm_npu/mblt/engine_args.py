@@ -17,41 +17,30 @@ an environment variable, which a spawned engine process inherits. Active only fo
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from collections.abc import Mapping
 
-__all__ = ["USER_ARGS_ENV", "UserSchedulerArgs", "captured", "install"]
+from vllm_npu.engine_args_hook import run_before_create_engine_config
+
+__all__ = ["USER_ARGS_ENV", "captured", "install"]
 
 USER_ARGS_ENV = "_NPU_HARNESS_MBLT_USER_SCHEDULER_ARGS"
 _FIELDS = ("max_num_seqs", "max_num_batched_tokens")
 
 
-class UserSchedulerArgs(dict):
-    """``{"max_num_seqs": int | None, "max_num_batched_tokens": int | None}`` as the user gave them."""
-
-
 def install() -> bool:
     """Wrap ``EngineArgs.create_engine_config`` (once). Returns whether it is wrapped now."""
-    from vllm.engine.arg_utils import EngineArgs
-
-    if getattr(EngineArgs, "_npu_harness_mblt_patched", False):
-        return True
-    original = EngineArgs.create_engine_config
-
-    @functools.wraps(original)
-    def create_engine_config(self, *args, **kwargs):
-        os.environ[USER_ARGS_ENV] = json.dumps({name: getattr(self, name, None) for name in _FIELDS})
-        return original(self, *args, **kwargs)
-
-    EngineArgs.create_engine_config = create_engine_config
-    EngineArgs._npu_harness_mblt_patched = True
-    return True
+    return run_before_create_engine_config("_npu_harness_mblt_patched", _record)
 
 
-def captured(environ: Mapping[str, str] | None = None) -> UserSchedulerArgs | None:
-    """The values :func:`install` recorded, or None when nothing was (a config built without
+def _record(args) -> None:
+    os.environ[USER_ARGS_ENV] = json.dumps({name: getattr(args, name, None) for name in _FIELDS})
+
+
+def captured(environ: Mapping[str, str] | None = None) -> dict[str, int | None] | None:
+    """The values :func:`install` recorded (``{"max_num_seqs": ..., "max_num_batched_tokens":
+    ...}``, None where the user gave none), or None when nothing was (a config built without
     ``EngineArgs``: the caller then takes the config's values as the user's)."""
     env = os.environ if environ is None else environ
     raw = env.get(USER_ARGS_ENV, "")
@@ -61,4 +50,4 @@ def captured(environ: Mapping[str, str] | None = None) -> UserSchedulerArgs | No
         data = json.loads(raw)
     except ValueError:
         return None
-    return UserSchedulerArgs({name: data.get(name) for name in _FIELDS})
+    return {name: data.get(name) for name in _FIELDS}

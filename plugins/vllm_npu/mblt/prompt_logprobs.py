@@ -29,14 +29,6 @@ class PromptLogprobsStateError(RuntimeError):
     """A request's prompt logprobs were asked for before every position was computed."""
 
 
-def requested_prompt_logprobs(params: object, vocab_size: int) -> int | None:
-    """Top prompt logprobs a request asked for: None if none, the vocabulary for ``-1``."""
-    n = getattr(params, "prompt_logprobs", None) if params is not None else None
-    if n is None:
-        return None
-    return int(vocab_size) if int(n) == -1 else min(int(n), int(vocab_size))
-
-
 @dataclass
 class PromptLogprobs:
     """The prompt-logprob rows of one request, filled position by position.

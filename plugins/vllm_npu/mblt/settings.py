@@ -2,8 +2,8 @@
 
 This module turns ``--model-loader-extra-config`` and the model's ``config.json`` into the
 numbers the platform writes into vLLM's scheduler config: block size, prefix caching,
-``max_num_seqs``, ``max_num_batched_tokens`` and the long-prefill threshold. It imports only the standard library (no vLLM, torch or simulator), so every rule here
-is testable on its own.
+``max_num_seqs``, ``max_num_batched_tokens`` and the long-prefill threshold. It imports only
+the standard library (no vLLM, torch or simulator), so every rule here is testable on its own.
 
 Rules, as vllm-mblt 0.8.0 applies them (docs: the vllm-mblt README "Runtime Layout Overrides",
 "Chunked Prefill Auto-Tuning", "Model-Configured Batch Capacity", "Multi-Card Software

@@ -31,7 +31,7 @@ class RequestKV:
 
     Attributes:
         slot: ``(model_idx, cache_id)`` this cache runs on.
-        owner: whose cache it is (a request id, or ``snapshot <key>``), named in errors.
+        owner: whose cache it is, as errors name it (``req_id=<id>``, ``snapshot <key>``).
         token_ids: ids whose KV the cache holds, in order; ``len(token_ids)`` is the cache length.
         host: blobs of the last save (one per ``CacheInfo``), or None.
         host_len: leading tokens of ``token_ids`` the host copy still holds correctly.
@@ -44,9 +44,8 @@ class RequestKV:
     owner: str = ""
 
     def describe(self) -> str:
-        """``req_id=... slot=(model_idx, cache_id)`` for messages."""
-        who = f"req_id={self.owner}" if self.owner and not self.owner.startswith("snapshot") else (self.owner or "cache")
-        return f"{who} on slot (model_idx={self.slot[0]}, cache_id={self.slot[1]})"
+        """``<owner> on slot (model_idx=..., cache_id=...)`` for messages."""
+        return f"{self.owner or 'cache'} on slot (model_idx={self.slot[0]}, cache_id={self.slot[1]})"
 
     @property
     def length(self) -> int:

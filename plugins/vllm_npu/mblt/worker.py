@@ -42,13 +42,13 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
-from vllm_npu.host_sampling import scatter_logprobs
+from vllm_npu.host_sampling import num_logprobs, scatter_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
 from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
-from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs, requested_prompt_logprobs
+from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.sampling import HostSampler, SampleRequest
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
@@ -417,10 +417,10 @@ class MbltWorker(NpuWorker):
             gen.manual_seed(params.seed)
         vslot = self._assign_vslot(new.req_id)
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
-                  RequestKV(self._slot_for(vslot), owner=new.req_id), vslot, gen)
+                  RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"), vslot, gen)
         st.num_computed = new.num_computed_tokens
         assert self.backend is not None
-        k = requested_prompt_logprobs(params, self.backend.vocab_size)
+        k = num_logprobs(params, self.backend.vocab_size, "prompt_logprobs")
         if k is not None:
             st.prompt_logprobs = PromptLogprobs(new.req_id, st.prompt_ids, k)
             path = "one infer per chunk (full-sequence logits)" if self.backend.output_layout == "all" \

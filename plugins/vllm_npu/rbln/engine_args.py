@@ -16,8 +16,9 @@ them. The wrapper is idempotent and active only for the ``rbln-*`` targets.
 
 from __future__ import annotations
 
-import functools
 import os
+
+from vllm_npu.engine_args_hook import run_before_create_engine_config
 
 __all__ = ["MODEL_IMPL_ENV", "USER_TOKENS_ENV", "RBLN_DEFAULT_MAX_NUM_SEQS", "install", "captured"]
 
@@ -28,26 +29,17 @@ RBLN_DEFAULT_MAX_NUM_SEQS = 1
 
 def install() -> bool:
     """Wrap ``EngineArgs.create_engine_config`` (once). Returns whether it is wrapped now."""
-    from vllm.engine.arg_utils import EngineArgs
+    return run_before_create_engine_config("_npu_harness_rbln_patched", _record)
 
-    if getattr(EngineArgs, "_npu_harness_rbln_patched", False):
-        return True
-    original = EngineArgs.create_engine_config
 
-    @functools.wraps(original)
-    def create_engine_config(self, *args, **kwargs):
-        raw = self.model_impl
-        os.environ[MODEL_IMPL_ENV] = str(getattr(raw, "value", raw) or "auto")
-        self.model_impl = "auto"
-        tokens = self.max_num_batched_tokens
-        os.environ[USER_TOKENS_ENV] = "" if tokens is None else str(int(tokens))
-        if self.max_num_seqs is None:
-            self.max_num_seqs = RBLN_DEFAULT_MAX_NUM_SEQS
-        return original(self, *args, **kwargs)
-
-    EngineArgs.create_engine_config = create_engine_config
-    EngineArgs._npu_harness_rbln_patched = True
-    return True
+def _record(args) -> None:
+    raw = args.model_impl
+    os.environ[MODEL_IMPL_ENV] = str(getattr(raw, "value", raw) or "auto")
+    args.model_impl = "auto"
+    tokens = args.max_num_batched_tokens
+    os.environ[USER_TOKENS_ENV] = "" if tokens is None else str(int(tokens))
+    if args.max_num_seqs is None:
+        args.max_num_seqs = RBLN_DEFAULT_MAX_NUM_SEQS
 
 
 def captured(environ=None) -> tuple[str, int | None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .errors import log
-from .types import Cluster, Core, CoreAllocationPolicy, CoreId, CoreMode
+from .types import Cluster, Core, CoreAllocationPolicy, CoreId, CoreMode, core_key
 
 __all__ = ["ModelConfig"]
 
@@ -59,7 +59,7 @@ class ModelConfig:
             if not ids:
                 log("Invalid core ID: `core_ids` must not be empty.", "model_config.cc:49")
                 return False
-            unique = sorted({(c.cluster.value, c.core.value): c for c in ids}.values())  # CoreId is unhashable
+            unique = sorted({core_key(c): c for c in ids}.values())  # CoreId is unhashable
             self._mode, self._core_ids, self._num_cores, self._clusters = CoreMode.Single, unique, len(unique), []
             return True
         n = 1 if num_cores is None else num_cores

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from .errors import STATUS_CODES
-from .types import Cluster, Core, CoreId
+from .types import Cluster, Core, CoreId, core_key
 
 __all__ = ["ENV_VAR", "Device", "Settings", "configure", "device", "reset", "settings"]
 
@@ -259,11 +259,6 @@ def note_infer_ok() -> None:
     settings()
     with _lock:
         _state.infers_ok += 1
-
-
-def core_key(core: CoreId) -> tuple[Cluster, Core]:
-    """A hashable key for ``core`` (``CoreId`` itself is unhashable, as in qbruntime)."""
-    return (core.cluster, core.core)
 
 
 def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]]) -> list[CoreId] | None:

@@ -139,6 +139,11 @@ class BatchParam:
     __hash__ = None  # type: ignore[assignment]  # mutable, like the pybind11 class
 
 
+def core_key(core: CoreId) -> tuple[Cluster, Core]:
+    """A hashable key for ``core`` (``CoreId`` itself is unhashable, as in qbruntime)."""
+    return (core.cluster, core.core)
+
+
 @dataclass(frozen=True)
 class CacheInfo:
     """One KV cache region of a model (one per decoder layer in the simulator).
