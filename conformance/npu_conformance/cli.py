@@ -133,6 +133,7 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
             Path(args.hf_dir), Path(args.out), max_batch_size=args.max_batch_size,
             max_cache_size=args.max_cache_size, max_width=args.max_width, core_mode=args.core_mode,
             prefill_chunk_size=_parse_chunk(args.prefill_chunk_size), output_logits=args.output_logits,
+            memory_flexible=not args.memory_fixed,
         )
     except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
         print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
@@ -222,6 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--prefill-chunk-size", default="128", metavar="INT|JSON",
                       help='npu_prefill_chunk_size: an integer or e.g. \'{"single": 64, "global4": 256}\'')
     comp.add_argument("--output-logits", default="last", choices=("last", "all"))
+    comp.add_argument("--memory-fixed", action="store_true",
+                      help="an older compiler's MXQ: never shares an explicitly named core with another model")
     comp.set_defaults(func=_cmd_mxq_compile)
 
     rbln = sub.add_parser("rbln", help="Rebellions RBLN plugin (vllm_npu.rbln): architectures, AOT compile")

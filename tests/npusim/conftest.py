@@ -130,15 +130,18 @@ def mxq_machine(monkeypatch):
 
 @pytest.fixture
 def glog(capsys) -> Callable[[], list[str]]:
-    """``glog()``: the glog details (text after ``"] "``) printed to stderr since the last call."""
+    """``glog()``: the glog details (text after ``"] "``) printed to stdout (where the real core's
+    glog writes) since the last call."""
     import re
 
     line = re.compile(r"^[EW]\d{4} \d\d:\d\d:\d\d\.\d{3} \d+ [\w.]+:\d+\] (.*)$")
 
     def details() -> list[str]:
-        err = capsys.readouterr().err
+        captured = capsys.readouterr()
+        details.stderr = captured.err.splitlines()  # plain stderr lines (e.g. "Unable to load; ...")
+        printed = captured.out
         out = []
-        for text in err.splitlines():
+        for text in printed.splitlines():
             m = line.match(text)
             assert m, f"not a glog line: {text!r}"
             out.append(m.group(1))

@@ -49,7 +49,30 @@ def test_cluster_modes(glog):
     assert mc.set_auto_core_mode() is True and mc.get_core_mode() == qb.CoreMode.Auto
 
 
-def test_activation_slots_and_async_pipeline():
+def test_activation_slots_and_async_pipeline(glog):
     mc = qb.ModelConfig()
-    assert mc.get_activation_slots() == 1 and mc.set_activation_slots(2) is False and mc.get_activation_slots() == 1
-    assert mc.set_async_pipeline_enabled(True) is True and mc.get_async_pipeline_enabled() is True
+    """As the real ModelConfig (checked against the qbruntime 1.5.0 wheel): -1 until set; each
+    core-mode setter derives 2 per target core or cluster (global8: 2), auto resets to -1."""
+    assert mc.get_activation_slots() == -1
+    assert mc.set_activation_slots(5) is None and mc.get_activation_slots() == 5
+    assert mc.set_activation_slots(0) is None and mc.get_activation_slots() == 0
+    mc.set_activation_slots(-1)
+    assert glog() == ["Invalid activation slot num: -1. Must be >= 0."] and mc.get_activation_slots() == 0
+    c0 = qb.Cluster.Cluster0
+    mc.set_single_core_mode(None, [qb.CoreId(c0, qb.Core.Core0), qb.CoreId(c0, qb.Core.Core2), qb.CoreId(c0, qb.Core.Core3)])
+    assert mc.get_activation_slots() == 6
+    mc.set_multi_core_mode([c0])
+    assert mc.get_activation_slots() == 2
+    mc.set_global4_core_mode()
+    assert mc.get_activation_slots() == 4
+    mc.set_activation_slots(7)
+    mc.set_single_core_mode(3)  # the deprecated form leaves it
+    assert mc.get_activation_slots() == 7
+    glog()
+    mc.set_global8_core_mode()
+    assert mc.get_activation_slots() == 2
+    mc.set_auto_core_mode()
+    assert mc.get_activation_slots() == -1
+    assert qb.ModelConfig(3).get_activation_slots() == 1
+    glog()
+    assert mc.set_async_pipeline_enabled(True) is None and mc.get_async_pipeline_enabled() is True

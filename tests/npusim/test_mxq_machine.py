@@ -70,13 +70,16 @@ def test_accelerator_device_errors(mxq_machine, glog):
     glog()
     with pytest.raises(qb.QbRuntimeError) as exc:
         qb.Accelerator(2)
-    assert exc.value.status == "Acc_DeviceNotFound" and glog() == ["No NPU device found in the system."]
+    assert exc.value.status == "Acc_DeviceNotFound"
+    assert glog() == ["No NPU device found in the system.", "Accelerator not created."]
     with pytest.raises(qb.QbRuntimeError) as exc:
         qb.Accelerator("aries-rb", 2)
-    assert exc.value.status == "Driver_NotInitialized" and len(glog()) == 1
+    assert exc.value.status == "Driver_NotInitialized"
+    assert glog() == ["ARIES device #2 not found.", "Accelerator not created."]
     with pytest.raises(qb.QbRuntimeError) as exc:
         qb.Accelerator("regulus", 0)
     assert exc.value.status == "Driver_NotInitialized"
+    assert glog() == ["REGULUS device #0 not found.", "Accelerator not created."]
     mxq_machine.configure(no_device=True)
     with pytest.raises(qb.QbRuntimeError) as exc:
         qb.Accelerator()
@@ -101,17 +104,54 @@ def test_single_core_models_fill_the_card_then_fail(mxq_machine, mxq_artifact, g
     _launch(path)  # the freed core is reused
 
 
-def test_explicit_core_already_in_use(mxq_machine, mxq_artifact, glog):
+def test_explicit_cores_are_shared_by_memory_flexible_models(mxq_machine, mxq_artifact, glog):
+    """Two memory-flexible models named the same core both launch (the board time-shares it, as
+    transformers-mblt's multi-slot backend and the MoE release layout need); the core is free
+    again only when both are disposed."""
     core = qb.CoreId(C1, qb.Core.Core2)
     mc = qb.ModelConfig()
     mc.set_single_core_mode(None, [core])
     a = _launch(mxq_artifact(), mc)
-    assert a.get_target_cores() == [core] and a.is_target(core)
+    b = _launch(mxq_artifact(), mc)
+    assert a.get_target_cores() == [core] and b.get_target_cores() == [core] and a.is_target(core)
+    dev = mxq_machine.device(0)
+    assert len(dev.free_cores()) == 7
+    a.dispose()
+    assert len(dev.free_cores()) == 7  # b still holds it
+    b.dispose()
+    assert len(dev.free_cores()) == 8
+
+
+def test_memory_fixed_mxq_never_shares_a_core(mxq_machine, mxq_artifact, glog):
+    core = qb.CoreId(C1, qb.Core.Core2)
+    mc = qb.ModelConfig()
+    mc.set_single_core_mode(None, [core])
+    fixed = mxq_artifact(memory_flexible=False)
+    a = _launch(mxq_artifact(), mc)
+    glog()
+    with pytest.raises(qb.QbRuntimeError) as exc:  # a fixed newcomer on a taken core
+        _launch(fixed, mc)
+    assert exc.value.status == "Acc_CoreAlreadyInUse"
+    want = ("core [20003] memory area is already in use. Recommend to use latest compiler to utilize memory "
+            "flexible. Or use other core please.")
+    assert glog() == [want]
+    a.dispose()
+    _launch(fixed, mc)
+    with pytest.raises(qb.QbRuntimeError) as exc:  # a flexible newcomer on a fixed holder's core
+        _launch(mxq_artifact(), mc)
+    assert exc.value.status == "Acc_CoreAlreadyInUse" and glog() == [want]
+
+
+def test_runtime_picked_cores_are_free_ones(mxq_machine, mxq_artifact, glog):
+    """Without explicit cores the runtime takes free cores only, never a held one."""
+    mc = qb.ModelConfig()
+    mc.set_single_core_mode(None, list(mxq_machine.ALL_CORES))
+    _launch(mxq_artifact(), mc)
     glog()
     with pytest.raises(qb.QbRuntimeError) as exc:
-        _launch(mxq_artifact(), mc)
-    assert exc.value.status == "Acc_CoreAlreadyInUse"
-    assert glog() == ["Core allocation failed - available cores : 7 vs requested cores : 1"]
+        _launch(mxq_artifact())
+    assert exc.value.status == "Driver_FailedToClaimCores"
+    assert glog() == ["Core allocation failed - available cores : 0 vs requested cores : 1"]
 
 
 def test_cluster_and_global8_modes(mxq_machine, mxq_artifact, glog):
@@ -174,7 +214,7 @@ def test_bad_alloc_when_device_memory_is_exhausted(mxq_machine, mxq_artifact, gl
     [detail] = glog()
     assert detail.startswith("Failed to allocate NPU memory for model upload. ")
     assert f"requested {batch.upload_bytes()} bytes" in detail
-    assert batch._acc is None
+    assert not hasattr(batch, "_acc")  # a failed launch sets nothing, as in qbruntime
     small.dispose()
     batch.launch(qb.Accelerator())  # memory and cores were returned
 

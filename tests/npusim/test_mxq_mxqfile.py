@@ -14,8 +14,10 @@ def _load_fails(path, glog) -> str:
         qb.Model(str(path))
     assert exc.value.status == "Model_FailedToLoadMXQ"
     assert str(exc.value).startswith("Model_FailedToLoadMXQ occurred.\n")
-    [detail] = glog()
-    return detail
+    assert glog() == ["Failed to load model."]  # as the real core: the reason goes to stderr
+    [line] = glog.stderr
+    assert line.startswith("Unable to load; ")
+    return line.removeprefix("Unable to load; ")
 
 
 def test_header_round_trip(mxq_artifact):

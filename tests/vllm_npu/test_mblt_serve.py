@@ -174,6 +174,9 @@ def side_runs(artifacts):
     root = artifacts["root"]
     runs = {
         "too_long": _Side(artifacts["small"], ["--max-model-len", "512"], root / "too_long.log"),
+        # the seed's quick-start command (no --max-model-len) on an artifact whose config declares
+        # more positions (1024) than its MXQ holds (256): it must start, clamped
+        "clamped": _Side(artifacts["small"], [], root / "clamped.log", until="MBLT backend:"),
         "bad_loader": _Side(artifacts["main"], ["--model-loader-extra-config", '{"dev_no": "x"}'],
                             root / "bad_loader.log"),
         "global4": _Side(artifacts["k1"], ["--model-loader-extra-config", '{"core_mode": "global4"}'],
@@ -579,6 +582,13 @@ def test_max_model_len_over_kv_capacity_refuses_to_start(side_runs):
     assert code is not None and code != 0, log[-3000:]
     line = next((ln for ln in log.splitlines() if "exceeds the KV capacity" in ln), "")
     assert "512" in line and "256" in line, log[-3000:]
+
+
+def test_max_model_len_is_clamped_to_kv_capacity_when_not_given(side_runs):
+    code, log = side_runs["clamped"].wait()
+    assert code is None, log[-3000:]  # the worker loaded the MXQ: no refusal
+    assert "max_model_len clamped from 1024 (the artifact's config) to 256, the KV capacity of" in log, log[-3000:]
+    assert "KV capacity 256 tokens" in log and "exceeds the KV capacity" not in log, log[-3000:]
 
 
 def test_bad_loader_extra_config_refuses_to_start(side_runs):

@@ -48,6 +48,7 @@ from vllm_npu.mblt.placement import (
 )
 
 __all__ = [
+    "kv_capacity",
     "BackendCapacityError",
     "BackendLayout",
     "MbltBackend",
@@ -60,6 +61,20 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
+
+
+def kv_capacity(runtime: Any, mxq_path: str) -> int:
+    """The MXQ's KV capacity in tokens per cache id (``max_cache_size`` of its first input
+    buffer), read from an instance that is constructed, never launched, then disposed.
+
+    Raises:
+        QbRuntimeError: the runtime cannot load the MXQ (its error, unchanged).
+    """
+    model = runtime.Model(mxq_path)
+    try:
+        return int(model.get_input_buffer_info()[0].max_cache_size)
+    finally:
+        model.dispose()
 
 
 @dataclass(frozen=True)

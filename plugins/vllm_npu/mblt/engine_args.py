@@ -1,16 +1,18 @@
 """The user's own scheduler arguments, recorded before vLLM fills its defaults (MBLT).
 
-By the time the platform's ``check_and_update_config`` runs, ``max_num_seqs`` and
-``max_num_batched_tokens`` hold vLLM's defaults when the user gave none (256 and 2048 for
+By the time the platform's ``check_and_update_config`` runs, ``max_num_seqs``,
+``max_num_batched_tokens`` and ``max_model_len`` hold vLLM's defaults when the user gave none (256 and 2048 for
 ``vllm serve``, 128 and 2048 for a bare ``EngineArgs``), and the plan cannot tell them from
 user values: every default start of a batch artifact logged a spurious clamp warning, and an
 artifact without ``max_batch_size`` was scheduled at 256 sequences on its one slot, where the
-vendor defaults ``max_batch_size`` to 1.
+vendor defaults ``max_batch_size`` to 1; and a ``max_model_len`` taken from the artifact's
+``max_position_embeddings`` cannot be told from a ``--max-model-len`` (only the first may be
+clamped to the MXQ's KV capacity).
 
 vLLM's ``EngineArgs`` fields are None until ``create_engine_config`` fills them, so, as
 vllm-rbln does for its own arguments (and :mod:`vllm_npu.rbln.engine_args` for ours),
 :func:`install` wraps ``EngineArgs.create_engine_config`` from the MBLT general plugin (which
-every vLLM process runs first) and records the two values as given (None when not given) in
+every vLLM process runs first) and records the three values as given (None when not given) in
 an environment variable, which a spawned engine process inherits. Active only for the
 ``mblt-*`` targets; idempotent.
 """
@@ -26,7 +28,7 @@ from vllm_npu.engine_args_hook import run_before_create_engine_config
 __all__ = ["USER_ARGS_ENV", "captured", "install"]
 
 USER_ARGS_ENV = "_NPU_HARNESS_MBLT_USER_SCHEDULER_ARGS"
-_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
+_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
 
 def install() -> bool:
@@ -40,7 +42,7 @@ def _record(args) -> None:
 
 def captured(environ: Mapping[str, str] | None = None) -> dict[str, int | None] | None:
     """The values :func:`install` recorded (``{"max_num_seqs": ..., "max_num_batched_tokens":
-    ...}``, None where the user gave none), or None when nothing was (a config built without
+    ..., "max_model_len": ...}``, None where the user gave none), or None when nothing was (a config built without
     ``EngineArgs``: the caller then takes the config's values as the user's)."""
     env = os.environ if environ is None else environ
     raw = env.get(USER_ARGS_ENV, "")

@@ -7,11 +7,13 @@ so vLLM can pickle it into the engine processes it spawns. Registered with trans
 
 from __future__ import annotations
 
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Exaone4Config, LlamaConfig, Qwen2Config, Qwen3Config
 
 
 class MobilintLlamaConfig(LlamaConfig):
-    """``LlamaConfig`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-llama``)."""
+    """``LlamaConfig`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-llama``): Llama and
+    the Llama-compatible HyperCLOVAX releases (their extra config keys are kept as attributes;
+    the MXQ computes with them, the host only embeds)."""
 
     model_type = "mobilint-llama"
 
@@ -26,3 +28,9 @@ class MobilintQwen3Config(Qwen3Config):
     """``Qwen3Config`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-qwen3``)."""
 
     model_type = "mobilint-qwen3"
+
+
+class MobilintExaone4Config(Exaone4Config):
+    """``Exaone4Config`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-exaone4``)."""
+
+    model_type = "mobilint-exaone4"

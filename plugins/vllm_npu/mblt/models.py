@@ -24,6 +24,7 @@ TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mobilint-llama": ("MobilintLlamaForCausalLM", "MobilintLlamaConfig"),
     "mobilint-qwen2": ("MobilintQwen2ForCausalLM", "MobilintQwen2Config"),
     "mobilint-qwen3": ("MobilintQwen3ForCausalLM", "MobilintQwen3Config"),
+    "mobilint-exaone4": ("MobilintExaone4ForCausalLM", "MobilintExaone4Config"),
 }
 
 _REGISTERED = False

@@ -8,6 +8,7 @@ whose job is configuration:
 
 - worker class :class:`vllm_npu.mblt.worker.MbltWorker`;
 - block size 128 and prefix caching on unless the user set them;
+- ``max_model_len`` clamped to the MXQ's KV capacity when the user gave none;
 - ``max_num_seqs`` from the artifact's ``max_batch_size`` and chunked prefill from its
   ``npu_prefill_chunk_size`` (:func:`vllm_npu.mblt.settings.plan_scheduler`);
 - requests the worker cannot honour are refused in :meth:`MbltPlatform.validate_request`
@@ -46,6 +47,36 @@ def artifact_config(vllm_config: Any) -> dict[str, Any]:
     return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
+def _clamp_max_model_len(vllm_config: Any, overrides: Any) -> None:
+    """Without ``--max-model-len``, clamp vLLM's ``max_model_len`` (the artifact's declared
+    ``max_position_embeddings``) to the MXQ's KV capacity, with a log line, as vllm-mblt does for
+    its releases whose config declares more than their MXQs hold. An explicit over-capacity value
+    is left for the worker to refuse. Nothing changes when the MXQ cannot be read here (no target
+    selected, no ``mxq_path``, a runtime error): the worker then reports the cause."""
+    from vllm_npu.mblt import settings
+    from vllm_npu.mblt.backend import kv_capacity
+    from vllm_npu.mblt.runtime import load_runtime
+    from vllm_npu.targets import selected_target
+
+    model_config = vllm_config.model_config
+    target = selected_target()
+    path = settings.mxq_path_of(model_config.model, artifact_config(vllm_config), overrides)
+    if target not in ("mblt-sim", "mblt-hw") or path is None or not os.path.isfile(path):
+        return
+    try:
+        capacity = kv_capacity(load_runtime(target), path)
+    except Exception as exc:  # noqa: BLE001 - the worker loads the MXQ again and raises its error
+        logger.debug("MBLT platform: KV capacity of %s not read here (%s)", path, exc)
+        return
+    if model_config.max_model_len > capacity:
+        logger.warning(
+            "MBLT platform: max_model_len clamped from %d (the artifact's config) to %d, the KV "
+            "capacity of %s; pass --max-model-len to choose a value up to it",
+            model_config.max_model_len, capacity, path,
+        )
+        model_config.max_model_len = capacity
+
+
 class MbltPlatform(NpuPlatform):
     """Out-of-tree platform for Mobilint NPUs (see the module docstring); what every NPU
     platform shares (kernel loading, worker hook, eager and synchronous) is in
@@ -78,7 +109,10 @@ class MbltPlatform(NpuPlatform):
         overrides = settings.parse_loader_extra_config(vllm_config.load_config.model_loader_extra_config)
         # the user's own values (None when not given), not vLLM's defaults
         user = engine_args.captured() or {"max_num_seqs": sched.max_num_seqs,
-                                          "max_num_batched_tokens": sched.max_num_batched_tokens}
+                                          "max_num_batched_tokens": sched.max_num_batched_tokens,
+                                          "max_model_len": vllm_config.model_config.max_model_len}
+        if user["max_model_len"] is None:
+            _clamp_max_model_len(vllm_config, overrides)
         plan = settings.plan_scheduler(
             artifact_config(vllm_config),
             overrides,

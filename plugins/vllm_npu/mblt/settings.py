@@ -24,6 +24,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 
 from vllm_npu.mblt.placement import CORE_MODES, topology_for  # one list of core modes, one Aries
@@ -513,6 +514,13 @@ def parse_loader_extra_config(raw: Mapping[str, object] | str | None) -> LayoutO
 
 # --------------------------------------------------------------------------------------------
 # Model-config resolution
+
+
+def mxq_path_of(model_dir: str, artifact: Mapping[str, object], overrides: LayoutOverrides) -> str | None:
+    """The MXQ file the worker loads: ``mxq_path`` of ``--model-loader-extra-config``, else of
+    the artifact's ``config.json``, joined to ``model_dir``; None when neither names one."""
+    rel = overrides.extra.get("mxq_path") or artifact.get("mxq_path")
+    return str(Path(model_dir) / str(rel)) if rel else None
 
 
 def resolve_core_mode(overrides: LayoutOverrides, hf_config: Mapping[str, object]) -> str | None:

@@ -195,10 +195,9 @@ class MbltWorker(NpuWorker):
             )
         runtime = load_runtime(target)
         model_dir = self.model_config.model
-        mxq_rel = self.overrides.extra.get("mxq_path") or self.artifact.get("mxq_path")
-        if not mxq_rel:
+        mxq_path = settings.mxq_path_of(model_dir, self.artifact, self.overrides)
+        if mxq_path is None:
             raise MbltWorkerError(f"{model_dir}/config.json names no mxq_path")
-        mxq_path = str(Path(model_dir) / str(mxq_rel))
         dev_no = self.overrides.dev_no
         if dev_no is None:
             dev_no = settings.parse_dev_no(self.artifact.get("dev_no", 0), source=f"{model_dir}/config.json")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from . import machine
-from .errors import fail
+from .errors import fail, log
 
 __all__ = ["DEVICE_NAMES", "Accelerator", "get_available_device_numbers", "get_available_devices"]
 
@@ -18,8 +18,9 @@ class Accelerator:
     """One NPU card: ``Accelerator(device_name="auto", dev_no=0)`` or ``Accelerator(dev_no)``.
 
     Raises:
-        QbRuntimeError: ``Acc_DeviceNotFound`` (``auto``, no card ``dev_no``) or
-            ``Driver_NotInitialized`` (a named device whose card ``dev_no`` does not exist).
+        QbRuntimeError: ``Acc_DeviceNotFound`` (``auto`` and no card ``dev_no``; ``aries``
+            and no card at all) or ``Driver_NotInitialized`` (a named device whose card
+            ``dev_no`` does not exist); each after the real core's two glog lines.
         ValueError: an unknown device name (the known ones are listed).
     """
 
@@ -32,9 +33,17 @@ class Accelerator:
             raise ValueError(f"dev_no {dev_no!r} must be an integer >= 0")
         present = machine.device_numbers() if device_name in SIMULATED_NAMES else []
         if dev_no not in present:
+            # the real core's lines and statuses, as the 1.5.0 wheel prints them without a device
+            family = "REGULUS" if device_name.startswith("regulus") else "ARIES"
             if device_name == "auto":
-                raise fail("Acc_DeviceNotFound", "No NPU device found in the system.", "device.cc:239")
-            raise fail("Driver_NotInitialized", f"Failed to open device {device_name} #{dev_no}: no such device.", "driver.cc:88")
+                err = fail("Acc_DeviceNotFound", "No NPU device found in the system.", "device.cc:239")
+            elif device_name == "aries" and not present:
+                err = fail("Acc_DeviceNotFound", "No ARIES device found in the system.", "device.cc:130")
+            else:
+                err = fail("Driver_NotInitialized", f"{family} device #{dev_no} not found.",
+                           "regulus.cc:149" if family == "REGULUS" else "aries.cc:173")
+            log("Accelerator not created.", "acc.cc:33")
+            raise err
         # auto and a base name resolve to the concrete device, as the real core does
         self._name = "aries-rb" if device_name in ("auto", "aries") else device_name
         self._dev_no = dev_no

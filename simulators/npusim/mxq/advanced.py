@@ -1,5 +1,5 @@
 """qbruntime 1.5.0's buffer, NPU-data, pinned-memory, scale and async names, with the real
-signatures, not simulated yet.
+signatures, not simulated yet (``Scale``, a plain value, is).
 
 vllm-mblt's text path never calls them; transformers-mblt's MoE and advanced paths do
 (``get_input_scale``/``Scale``, ``acquire_*_npu_data``, ``infer_npu_data``, ``Buffer``,
@@ -11,6 +11,7 @@ real module's Python layer (read from the ``mobilint-qb-runtime`` 1.5.0 wheel).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["PENDING", "AdvancedModelApi", "Buffer", "Future", "NPUData", "PinnedMemory", "Scale"]
@@ -24,16 +25,27 @@ def _pending(name: str) -> NotImplementedError:
     return NotImplementedError(f"qbruntime {name} {PENDING}")
 
 
+@dataclass(eq=False)
 class Scale:
-    """``Scale(scale, is_uniform, scale_list, zero_point=0, is_asymmetric=False, zero_points=None)``.
+    """Quantisation scale of an MXQ input or output: ``Scale(scale, is_uniform, scale_list,
+    zero_point=0, is_asymmetric=False, zero_points=None)``. A plain value (every field
+    settable, as in qbruntime); ``scale[i]`` is ``scale_list[i]``. The simulator's MXQs have no
+    quantised inputs, so no Model returns one yet (``Model.get_input_scale`` is issue 13)."""
 
-    Raises:
-        NotImplementedError: always (issue 13).
-    """
+    scale: float
+    is_uniform: bool
+    scale_list: list[float]
+    zero_point: int = 0
+    is_asymmetric: bool = False
+    zero_points: list[int] | None = None
 
-    def __init__(self, scale: float, is_uniform: bool, scale_list: list[float], zero_point: int = 0,
-                 is_asymmetric: bool = False, zero_points: list[int] | None = None) -> None:
-        raise _pending("Scale")
+    def __post_init__(self) -> None:
+        self.scale_list = list(self.scale_list)
+        self.zero_points = [] if self.zero_points is None else list(self.zero_points)
+
+    def __getitem__(self, i: int) -> float:
+        """Raises: IndexError: ``i`` outside ``scale_list``."""
+        return self.scale_list[i]
 
 
 class Buffer:
@@ -48,14 +60,50 @@ class Buffer:
 
 
 class NPUData:
-    """Device-resident tensor from ``Model.acquire_input_npu_data``.
+    """Device-resident tensor from ``Model.acquire_input_npu_data``: ``launch(acc)``, ``cpu()``,
+    ``copy_from(src)``, ``data[key]`` (read and write, host side), ``len``, ``shape``, ``dtype``,
+    ``dev_no``, ``hardware_name``, as in qbruntime.
 
     Raises:
-        NotImplementedError: always (issue 13).
+        NotImplementedError: on construction and every member (issue 13).
     """
 
     def __init__(self, _npu_data: Any = None) -> None:
         raise _pending("NPUData")
+
+    def launch(self, acc: Any) -> None:
+        raise _pending("NPUData.launch")
+
+    def cpu(self) -> None:
+        raise _pending("NPUData.cpu")
+
+    def copy_from(self, src: NPUData) -> None:
+        raise _pending("NPUData.copy_from")
+
+    def __getitem__(self, key: Any) -> Any:
+        raise _pending("NPUData.__getitem__")
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        raise _pending("NPUData.__setitem__")
+
+    def __len__(self) -> int:
+        raise _pending("NPUData.__len__")
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        raise _pending("NPUData.shape")
+
+    @property
+    def dtype(self) -> Any:
+        raise _pending("NPUData.dtype")
+
+    @property
+    def dev_no(self) -> int:
+        raise _pending("NPUData.dev_no")
+
+    @property
+    def hardware_name(self) -> str:
+        raise _pending("NPUData.hardware_name")
 
 
 class PinnedMemory:

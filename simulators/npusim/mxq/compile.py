@@ -23,7 +23,18 @@ from .mxqfile import write_mxq
 __all__ = ["CORE_MODES", "compile_artifact"]
 
 CORE_MODES: tuple[str, ...] = ("auto", "single", "multi", "global4", "global8")
-ARCH_NAMES: dict[str, str] = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+#: HF ``model_type`` -> (the release's Mobilint ``model_type``, its architecture), as vllm-mblt
+#: registers them. HyperCLOVAX releases are Llama-compatible artifacts: the MXQ computes the
+#: HyperCLOVAX graph (its multipliers included), the host only embeds, so they ship as
+#: ``mobilint-llama`` / ``MobilintLlamaForCausalLM`` (vllm-mblt's "Llama / HyperCLOVAX-compatible
+#: text models" row).
+RELEASE_TYPES: dict[str, tuple[str, str]] = {
+    "llama": ("mobilint-llama", "MobilintLlamaForCausalLM"),
+    "qwen2": ("mobilint-qwen2", "MobilintQwen2ForCausalLM"),
+    "qwen3": ("mobilint-qwen3", "MobilintQwen3ForCausalLM"),
+    "exaone4": ("mobilint-exaone4", "MobilintExaone4ForCausalLM"),
+    "hyperclovax": ("mobilint-llama", "MobilintLlamaForCausalLM"),
+}
 COPIED_FILES: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
@@ -72,11 +83,12 @@ def compile_artifact(
     core_mode: str = "single",
     prefill_chunk_size: int | Mapping[str, int] = 128,
     output_logits: str = "last",
+    memory_flexible: bool = True,
 ) -> Path:
     """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
 
     Args:
-        hf_dir: an HF model directory (config.json + safetensors) of a llama/qwen2/qwen3 model.
+        hf_dir: an HF model directory (config.json + safetensors) of a llama, qwen2, qwen3, exaone4 or hyperclovax model (:data:`RELEASE_TYPES`).
         out_dir: destination (created; our files overwritten).
         max_batch_size: K, cache ids per Model (>= 1; > 1 needs core_mode single or auto).
         max_cache_size: T, KV capacity in tokens per cache id; default
@@ -90,6 +102,9 @@ def compile_artifact(
         prefill_chunk_size: int >= 1, or a dict of core-mode / ``default`` keys to ints >= 1
             (written to config.json as ``npu_prefill_chunk_size``).
         output_logits: ``"last"`` (one logits row per item) or ``"all"`` (one per token).
+        memory_flexible: whether the MXQ may share an explicitly named core with other
+            memory-flexible models (the current compiler's default). False stands for an MXQ of an
+            older compiler, whose second launch on a taken core raises ``Acc_CoreAlreadyInUse``.
 
     Returns:
         ``Path(out_dir)``.
@@ -111,8 +126,8 @@ def compile_artifact(
     raw = json.loads((src / "config.json").read_text(encoding="utf-8")) if (src / "config.json").is_file() else None
     if raw is None:
         raise ValueError(f"{src} has no config.json (expected a Hugging Face model directory)")
-    if raw.get("model_type") not in ARCH_NAMES:
-        raise ValueError(f"model_type {raw.get('model_type')!r} must be one of {', '.join(ARCH_NAMES)}")
+    if raw.get("model_type") not in RELEASE_TYPES:
+        raise ValueError(f"model_type {raw.get('model_type')!r} must be one of {', '.join(RELEASE_TYPES)}")
     cfg = load_config(src)
     max_pos = cfg.max_position_embeddings
     t = min(max_pos, MAX_DEFAULT_CACHE) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
@@ -136,12 +151,13 @@ def compile_artifact(
     header = {
         "llm_config": raw, "max_batch_size": k, "max_cache_size": t, "max_width": w,
         "core_modes": _compiled_modes(core_mode, k), "output_logits": output_logits, "target_device": "aries",
+        "memory_flexible": bool(memory_flexible),
     }
     write_mxq(out / "model.mxq", header, weights)
     save_safetensors(out / "model.safetensors", {"model.embed_tokens.weight": weights["model.embed_tokens.weight"]}, metadata={"format": "pt"})
     config = {k_: v for k_, v in raw.items() if k_ not in ("model_type", "architectures")}
     config.update(
-        model_type=f"mobilint-{arch}", architectures=[f"Mobilint{ARCH_NAMES[arch]}ForCausalLM"],
+        model_type=RELEASE_TYPES[arch][0], architectures=[RELEASE_TYPES[arch][1]],
         mxq_path="model.mxq", max_batch_size=k,
         npu_prefill_chunk_size=dict(prefill_chunk_size) if isinstance(prefill_chunk_size, Mapping) else prefill_chunk_size,
         core_mode=core_mode, target_device="aries", dev_no=0, max_position_embeddings=max_pos,

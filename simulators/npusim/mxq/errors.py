@@ -60,7 +60,7 @@ INFERRED_STATUSES: dict[str, str] = {
 }
 
 # glog severity letters; the simulator only prints errors (E) and warnings (W).
-_threshold = 4  # LogLevel.Err: print E lines; LogLevel.Off (6) silences them
+_threshold = 3  # LogLevel.Warn (the real default): W and E lines; LogLevel.Off (6) silences them
 
 
 def set_log_threshold(level: int) -> None:
@@ -97,11 +97,12 @@ def glog_line(detail: str, source: str = "model.cc:0", severity: str = "E") -> s
 
 
 def log(detail: str, source: str = "model.cc:0", severity: str = "E") -> None:
-    """Print one detail line to ``sys.stderr`` if the log level lets it through."""
+    """Print one detail line to ``sys.stdout`` (where the real core's glog writes) if the log
+    level lets it through."""
     level = {"W": 3, "E": 4}.get(severity, 4)  # LogLevel.Warn, LogLevel.Err
     if level >= _threshold:
-        sys.stderr.write(glog_line(detail, source, severity) + "\n")
-        sys.stderr.flush()
+        sys.stdout.write(glog_line(detail, source, severity) + "\n")
+        sys.stdout.flush()
 
 
 def fail(status: str, detail: str, source: str = "model.cc:0") -> QbRuntimeError:

@@ -34,7 +34,11 @@ Clock: every card has a device clock in µs (float), starting at 0. An infer adv
 timestamps are read from this clock.
 
 Cores: an Aries card has 2 clusters x 4 cores. A launched model holds its cores until
-``dispose``. Memory: a launch uploads ``weights + K * kv_bytes_per_cache_id`` bytes.
+``dispose``. Several models may hold one core when each of them was named that core (or its
+cluster) explicitly and every one of them is memory-flexible (the MXQ header's
+``memory_flexible``, true unless compiled otherwise): they share it in time, on the card's one
+clock. A core the runtime picks itself is always a free one. A memory-fixed MXQ never shares:
+the real core's text for that case is :data:`MEMORY_AREA_IN_USE`. Memory: a launch uploads ``weights + K * kv_bytes_per_cache_id`` bytes.
 """
 
 from __future__ import annotations
@@ -50,9 +54,27 @@ from typing import Any
 from .errors import STATUS_CODES
 from .types import Cluster, Core, CoreId, core_key
 
-__all__ = ["ENV_VAR", "Device", "Settings", "configure", "device", "reset", "settings"]
+__all__ = ["ENV_VAR", "MEMORY_AREA_IN_USE", "Device", "MemoryAreaInUse", "Settings", "configure", "device", "reset", "settings"]
 
 ENV_VAR = "NPUSIM_MXQ"
+
+#: The real core's text (its format string, with the core's id in hex) for a core that another
+#: model's memory area occupies.
+MEMORY_AREA_IN_USE = ("core [{:x}] memory area is already in use. Recommend to use latest compiler to "
+                      "utilize memory flexible. Or use other core please.")
+
+
+class MemoryAreaInUse(Exception):
+    """A named core is held by a model it cannot share with (one of them is memory-fixed).
+
+    Attributes:
+        core: the first such core.
+    """
+
+    def __init__(self, core: CoreId) -> None:
+        super().__init__(f"core {core} is held by a model it cannot share with")
+        self.core = core
+
 
 # Guards clocks, core tables and counters: qbruntime callers run infers of different Models
 # from worker threads (the simulated cost's sleep happens outside it).
@@ -124,8 +146,11 @@ class Device:
     def __init__(self, dev_no: int) -> None:
         self.dev_no = dev_no
         self.clock_us = 0.0
-        # (cluster, core) -> owner model identifier (CoreId is unhashable, as in qbruntime)
-        self.cores_in_use: dict[tuple[Cluster, Core], int] = {}
+        # (cluster, core) -> identifiers of the models holding it, in launch order (CoreId is
+        # unhashable, as in qbruntime)
+        self.cores_in_use: dict[tuple[Cluster, Core], list[int]] = {}
+        # identifiers of launched models whose MXQ is memory-fixed (they never share a core)
+        self.memory_fixed: set[int] = set()
         self.memory_used = 0  # bytes
 
     def free_cores(self) -> list[CoreId]:
@@ -261,18 +286,46 @@ def note_infer_ok() -> None:
         _state.infers_ok += 1
 
 
-def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]]) -> list[CoreId] | None:
-    """Take the first candidate core group whose cores are all free; None if none is."""
+def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]], *,
+                   shared: bool = False, memory_flexible: bool = True) -> list[CoreId] | None:
+    """Take the first candidate core group ``owner`` may hold; None if there is none.
+
+    Args:
+        dev: the card.
+        owner: the launching model's identifier.
+        candidates: core groups in order of preference.
+        shared: the groups were named explicitly (cores, or clusters): a core held by other
+            models is taken too, when they and ``owner`` are all memory-flexible. Otherwise only
+            a group of free cores is taken.
+        memory_flexible: whether ``owner``'s MXQ is memory-flexible.
+
+    Raises:
+        MemoryAreaInUse: ``shared`` and the first group has a core held by a model that cannot
+            share it (``owner`` or the holder is memory-fixed); carries that core.
+    """
     with _lock:
         for group in candidates:
-            if all(core_key(c) not in dev.cores_in_use for c in group):
-                for c in group:
-                    dev.cores_in_use[core_key(c)] = owner
-                return list(group)
+            held = [c for c in group if dev.cores_in_use.get(core_key(c))]
+            if held and shared:
+                rigid = not memory_flexible or any(o in dev.memory_fixed for c in held
+                                                   for o in dev.cores_in_use[core_key(c)])
+                if rigid:
+                    raise MemoryAreaInUse(held[0])
+            elif held:
+                continue
+            for c in group:
+                dev.cores_in_use.setdefault(core_key(c), []).append(owner)
+            if not memory_flexible:
+                dev.memory_fixed.add(owner)
+            return list(group)
         return None
 
 
 def release_cores(dev: Device, owner: int) -> None:
-    """Free every core held by ``owner``."""
-    for c in [c for c, o in dev.cores_in_use.items() if o == owner]:
-        del dev.cores_in_use[c]
+    """Free every core held by ``owner`` (a shared core stays held by its other models)."""
+    with _lock:
+        for key in [k for k, owners in dev.cores_in_use.items() if owner in owners]:
+            dev.cores_in_use[key].remove(owner)
+            if not dev.cores_in_use[key]:
+                del dev.cores_in_use[key]
+        dev.memory_fixed.discard(owner)

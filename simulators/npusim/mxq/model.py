@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,7 +99,10 @@ class Model(AdvancedModelApi):
                  _summary_only: bool = False) -> None:
         self._path = str(path)
         self._config = model_config if model_config is not None else ModelConfig()
-        self._acc: Accelerator | None = None
+        # the accelerator launched on; ``_acc`` itself exists only from launch(), as in qbruntime's
+        # Python layer (transformers-mblt reads ``hasattr(model, "_acc") and model._acc is None``
+        # as "disposed")
+        self._launched_on: Accelerator | None = None
         self._id = next(_ids)
         self._dev_no: int | None = None
         self._cores: list[CoreId] = []
@@ -110,7 +114,10 @@ class Model(AdvancedModelApi):
             cfg = LlmConfig.from_dict(header["llm_config"])
             self._decoder = Decoder(cfg, tensors, np.float32, source=self._path)
         except (MxqFormatError, CheckpointError, UnsupportedModelError) as exc:
-            raise fail("Model_FailedToLoadMXQ", str(exc), "mxq_loader.cc:112") from None
+            # as the real core: the reason as a plain stderr line, then one glog line
+            sys.stderr.write(f"Unable to load; {exc}\n")
+            sys.stderr.flush()
+            raise fail("Model_FailedToLoadMXQ", "Failed to load model.", "model_impl.cc:1219") from None
         self._cfg = cfg
         self.K = int(header["max_batch_size"])
         self.T = int(header["max_cache_size"])
@@ -139,7 +146,7 @@ class Model(AdvancedModelApi):
         self.get_model_output_shape()
 
     def __repr__(self) -> str:
-        state = "launched" if self._acc is not None else "not launched"
+        state = "launched" if self._launched_on is not None else "not launched"
         return f"<npusim.mxq.Model {self._path!r} K={self.K} T={self.T} W={self.W} {state}>"
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,11 +155,12 @@ class Model(AdvancedModelApi):
 
         Raises:
             QbRuntimeError: ``Model_AlreadyLaunched``; ``Acc_CoreAlreadyInUse`` (an explicitly
-                requested core is taken) or ``Driver_FailedToClaimCores`` (not enough free cores);
+                requested core is held by a model it cannot share with: this MXQ or the
+                holder's is memory-fixed; explicitly named cores are otherwise shared) or ``Driver_FailedToClaimCores`` (not enough free cores);
                 ``BadAlloc`` (device memory exhausted, or the ``bad_alloc_at_launch`` fault).
             TypeError: ``acc`` is not an Accelerator.
         """
-        if self._acc is not None:
+        if self._launched_on is not None:
             raise fail("Model_AlreadyLaunched", f"Model (id {self._id}) is already launched.", "model.cc:240")
         if not isinstance(acc, Accelerator):
             raise TypeError(f"launch() expects an Accelerator, got {type(acc).__name__}")
@@ -169,7 +177,8 @@ class Model(AdvancedModelApi):
             raise fail("BadAlloc", "Failed to allocate NPU memory for model upload. "
                        f"(requested {upload} bytes, available {free} of {total} bytes on device {acc.get_dev_no()})", "memory.cc:77")
         dev.memory_used += upload
-        self._acc, self._dev_no, self._cores, self._upload_bytes, self._caches = acc, acc.get_dev_no(), cores, upload, {}
+        self._launched_on, self._dev_no, self._cores, self._upload_bytes, self._caches = acc, acc.get_dev_no(), cores, upload, {}
+        self._acc = acc
 
     def _resolved_mode(self) -> CoreMode:
         mode = self._config.get_core_mode()
@@ -190,7 +199,12 @@ class Model(AdvancedModelApi):
             clusters = self._config.get_clusters() or [Cluster.Cluster0, Cluster.Cluster1]
             needed = 4
             candidates = [[c for c in machine.ALL_CORES if c.cluster == cl] for cl in clusters]
-        got = machine.allocate_cores(dev, self._id, candidates)
+        flexible = bool(self._header.get("memory_flexible", True))
+        try:
+            got = machine.allocate_cores(dev, self._id, candidates, shared=bool(explicit), memory_flexible=flexible)
+        except machine.MemoryAreaInUse as exc:
+            core = int(exc.core.cluster) | int(exc.core.core)
+            raise fail("Acc_CoreAlreadyInUse", machine.MEMORY_AREA_IN_USE.format(core), "core_allocator.cc:118") from None
         if got is None:
             status = "Acc_CoreAlreadyInUse" if explicit else "Driver_FailedToClaimCores"
             raise fail(status, f"Core allocation failed - available cores : {len(free)} vs requested cores : {needed}", "core_allocator.cc:133")
@@ -198,13 +212,14 @@ class Model(AdvancedModelApi):
 
     def dispose(self) -> None:
         """Free the cores, device memory and KV of this model; ``_acc`` becomes None. Idempotent."""
-        if self._acc is None:
+        self._acc = None  # set by every dispose, launched or not, as qbruntime's Python layer does
+        if self._launched_on is None:
             return
         dev = machine.device(self._dev_no) if self._dev_no is not None else None
         if dev is not None:
             machine.release_cores(dev, self._id)
             dev.memory_used = max(0, dev.memory_used - self._upload_bytes)
-        self._acc, self._cores, self._caches, self._upload_bytes = None, [], {}, 0
+        self._launched_on, self._cores, self._caches, self._upload_bytes = None, [], {}, 0
 
     def upload_bytes(self) -> int:
         """Device memory a launch takes: weights + K x KV bytes per cache id (simulator addition)."""
@@ -219,9 +234,9 @@ class Model(AdvancedModelApi):
         return self._launched()._device.clock_us
 
     def _launched(self) -> Accelerator:
-        if self._acc is None:
+        if self._launched_on is None:
             raise fail("Model_NotLaunched", "Model is not launched. Call `launch` first.", "model.cc:310")
-        return self._acc
+        return self._launched_on
 
     # ------------------------------------------------------------------ metadata
     def get_identifier(self) -> int:
@@ -236,7 +251,7 @@ class Model(AdvancedModelApi):
 
     def get_target_cores(self) -> list[CoreId]:
         """Cores held since launch (before launch: the explicitly configured ones)."""
-        return list(self._cores) if self._acc is not None else self._config.get_core_ids()
+        return list(self._cores) if self._launched_on is not None else self._config.get_core_ids()
 
     @property
     def target_cores(self) -> list[CoreId]:
@@ -247,16 +262,16 @@ class Model(AdvancedModelApi):
         return core_id in self.get_target_cores()
 
     def get_device_names(self) -> list[str]:
-        return [self._acc.get_device_name()] if self._acc is not None else []
+        return [self._launched_on.get_device_name()] if self._launched_on is not None else []
 
     def get_num_model_variants(self) -> int:
         return 1
 
-    def get_model_variant_handle(self, idx: int) -> ModelVariantHandle:
-        """Raises: QbRuntimeError: ``Model_InvalidVariantIdx`` when ``idx`` is not 0 (the
-        only variant), as the real core raises."""
-        if idx != 0:
-            raise fail("Model_InvalidVariantIdx", f"Invalid variant index {idx!r}: the model has 1 variant(s).",
+    def get_model_variant_handle(self, variant_idx: int) -> ModelVariantHandle:
+        """Raises: QbRuntimeError: ``Model_InvalidVariantIdx`` when ``variant_idx`` is not 0
+        (the only variant), as the real core raises."""
+        if variant_idx != 0:
+            raise fail("Model_InvalidVariantIdx", f"Invalid variant index {variant_idx!r}: the model has 1 variant(s).",
                        "model.cc:230")
         return ModelVariantHandle(self, 0)
 

@@ -31,6 +31,8 @@ REQUIRED_KEYS: tuple[str, ...] = (
     "format", "version", "llm_config", "max_batch_size", "max_cache_size", "max_width",
     "core_modes", "output_logits", "target_device", "payload_bytes",
 )
+#: Optional header keys and their defaults.
+OPTIONAL_KEYS: dict[str, object] = {"memory_flexible": True}
 BAD_MAGIC = "Invalid magic value detected. The MXQ file may be broken or corrupeted."  # (sic), qbruntime's text
 
 
@@ -97,6 +99,9 @@ def read_mxq(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndar
     missing = [k for k in REQUIRED_KEYS if k not in header]
     if missing:
         raise MxqFormatError(f"MXQ header of '{p}' lacks keys {missing}.")
+    for key, default in OPTIONAL_KEYS.items():
+        if not isinstance(header.get(key, default), type(default)):
+            raise MxqFormatError(f"MXQ header of '{p}': {key}={header[key]!r} must be a {type(default).__name__}.")
     payload = body[_PREFIX.size + n :]
     if header["payload_bytes"] != len(payload):
         raise MxqFormatError(f"MXQ payload of '{p}' is {len(payload)} bytes but the header says {header['payload_bytes']}.")

@@ -1,0 +1,283 @@
+"""The vendor's own transformers-mblt 0.6.1 and mblt-npu-python 0.1.0 (pinned test dependencies,
+installed ``--no-deps``, unpatched) run on ``npusim.mxq`` as their ``qbruntime``.
+
+``AutoModelForCausalLM.from_pretrained(<our MXQ artifact dir>)`` is transformers-mblt's loader;
+``generate`` is its generation mixin over its multi-slot NPU backend. Greedy tokens must equal the
+golden decoder's (``npusim.llm``) and transformers' own model of the same checkpoint, exactly.
+Sampled tokens must equal transformers' under the same torch seed (the host sampler is the same;
+the logits agree to float32 rounding, far below any sampling boundary of these tiny models).
+
+Their declared ``transformers<5.18`` pin is waived (we run transformers 5.19): this module is the
+test of that waiver for the text-LLM path (docs/mblt.md, "What the pins waive").
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if importlib.util.find_spec("transformers_mblt") is None or importlib.util.find_spec("mblt_npu") is None:
+    pytest.skip("transformers-mblt / mblt-npu-python (pinned test dependencies) are not installed",
+                allow_module_level=True)
+
+PROMPTS = ([1, 5, 9, 33, 70, 2, 11], [300, 2, 2, 7, 11, 500, 61, 12, 9], [4, 4, 8], [77, 78, 79, 80, 81, 82])
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def qbruntime() -> Iterator[Any]:
+    """``import qbruntime`` on the simulator for this module only, and transformers-mblt's
+    architectures registered. Afterwards the alias and the modules bound to it are removed."""
+    from npusim import alias
+
+    assert alias.status("qbruntime").state != "real", "a real qbruntime is installed: this module tests the alias"
+    alias.activate("qbruntime")
+    import qbruntime as mod
+
+    import npusim.mxq
+
+    assert mod is npusim.mxq, "the alias must bind the simulator module itself"
+    import transformers_mblt
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # Qwen3-ASR needs the optional qwen-asr extra
+        registered = transformers_mblt.register()
+    assert {"llama", "qwen2", "qwen3"} <= set(registered)
+    yield mod
+    from npusim.mxq import machine
+
+    machine.reset()
+    alias.deactivate("qbruntime")
+    for name in [n for n in sys.modules if n.split(".")[0] in ("qbruntime", "transformers_mblt", "mblt_npu")]:
+        del sys.modules[name]
+
+
+@pytest.fixture
+def sim(qbruntime) -> Iterator[Any]:
+    """The simulated machine, fresh for each test (one card unless a test configures more)."""
+    from npusim.mxq import machine
+
+    machine.reset()
+    yield machine
+    machine.reset()
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]:
+    """``artifact(arch, **compile_kwargs) -> Path`` of an MXQ artifact directory, compiled once per
+    combination. Defaults: ``max_width=16, prefill_chunk_size=16``, so a prompt of more than 16
+    tokens is chunked."""
+    from npusim.mxq.compile import compile_artifact
+
+    cache: dict[str, Path] = {}
+
+    def get(arch: str, **kwargs: Any) -> Path:
+        kw = {"max_width": 16, "prefill_chunk_size": 16, **kwargs}
+        key = json.dumps([arch, kw], sort_keys=True)
+        if key not in cache:
+            cache[key] = compile_artifact(tiny_model_dir(arch), tmp_path_factory.mktemp(f"tmblt-{arch}"), **kw)
+        return cache[key]
+
+    return get
+
+
+def _load(path: Path, **overrides: Any) -> Any:
+    """transformers-mblt's loader, with config overrides as keyword arguments (its documented way)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), **overrides)
+    assert type(model).__module__.startswith("transformers_mblt."), type(model)
+    return model
+
+
+def _generate(model: Any, prompts: list[list[int]], **kwargs: Any) -> list[list[int]]:
+    """New tokens per prompt; prompts of unequal length are left-padded with an attention mask."""
+    width = max(len(p) for p in prompts)
+    pad = int(model.config.pad_token_id or 0)
+    ids = torch.tensor([[pad] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=NEW, pad_token_id=pad, **kwargs)
+    return out[:, width:].tolist()
+
+
+def _dispose(model: Any) -> None:
+    model.dispose() if hasattr(model, "dispose") else model.npu_backend.dispose()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_greedy_equals_golden_and_transformers(sim, artifact, golden_decoder, hf_model, tiny_model_dir, arch):
+    model = _load(artifact(arch))
+    golden, hf = golden_decoder(arch), hf_model(tiny_model_dir(arch))
+    try:
+        for prompt in PROMPTS[:2]:
+            got = _generate(model, [list(prompt)], do_sample=False)[0]
+            assert got == golden.generate_greedy(prompt, NEW)
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):].tolist()
+            assert got == ref
+    finally:
+        _dispose(model)
+
+
+def test_a_prompt_longer_than_the_width_is_chunked(sim, artifact, golden_decoder):
+    """40 tokens through an MXQ of width 16 (chunk 16): the simulator refuses any infer wider than
+    16, so this passes only if transformers-mblt chunks the prefill."""
+    model = _load(artifact("llama"))
+    prompt = [(7 * i + 3) % 1000 + 1 for i in range(40)]
+    try:
+        assert _generate(model, [prompt], do_sample=False)[0] == golden_decoder("llama").generate_greedy(prompt, NEW)
+    finally:
+        _dispose(model)
+
+
+def test_batch_mxq_k4_through_batch_param(sim, artifact, golden_decoder):
+    """A batch-compiled MXQ (K=4): one Model, four cache ids, rows of unequal length in one
+    generate (left-padded); each row equals its own greedy run."""
+    path = artifact("llama", max_batch_size=4)
+    model = _load(path)
+    golden = golden_decoder("llama")
+    try:
+        mxqs = model.npu_backend.mxq_models
+        assert len(mxqs) == 1 and mxqs[0].get_cache_infos()[0].num_batches == 4
+        got = _generate(model, [list(p) for p in PROMPTS], do_sample=False)
+        assert got == [golden.generate_greedy(p, NEW) for p in PROMPTS]
+    finally:
+        _dispose(model)
+
+
+def test_two_cards_with_several_model_slots(sim, artifact, golden_decoder):
+    """``max_batch_size=4`` over a K=1 MXQ on ``dev_no=[0, 1]``: four Model slots round-robin
+    over two simulated cards, two slots sharing each card's explicitly named cores (the board
+    time-shares them; see docs/mblt.md), rows dispatched to their slots in parallel."""
+    sim.configure(devices=2)
+    model = _load(artifact("qwen3"), max_batch_size=4, dev_no=[0, 1])
+    golden = golden_decoder("qwen3")
+    try:
+        backend = model.npu_backend
+        assert len(backend.mxq_models) == 4
+        assert sorted(backend.model_dev_no) == [0, 0, 1, 1]
+        assert [m.get_device_names() for m in backend.mxq_models] == [["aries-rb"]] * 4
+        got = _generate(model, [list(p) for p in PROMPTS], do_sample=False)
+        assert got == [golden.generate_greedy(p, NEW) for p in PROMPTS]
+        assert sim.device(0).clock_us > 0 and sim.device(1).clock_us > 0  # both cards ran infers
+    finally:
+        _dispose(model)
+
+
+def test_global4_artifact(sim, artifact, golden_decoder):
+    model = _load(artifact("qwen2", core_mode="global4"))
+    try:
+        mxq = model.npu_backend.mxq_models[0]
+        assert str(mxq.get_core_mode()).endswith("Global4") and len(mxq.get_target_cores()) == 4
+        prompt = list(PROMPTS[1])
+        assert _generate(model, [prompt], do_sample=False)[0] == golden_decoder("qwen2").generate_greedy(prompt, NEW)
+    finally:
+        _dispose(model)
+
+
+def test_sampled_tokens_equal_transformers_under_one_seed(sim, artifact, hf_model, tiny_model_dir):
+    model = _load(artifact("llama"))
+    hf = hf_model(tiny_model_dir("llama"))
+    prompt = list(PROMPTS[0])
+    kwargs = {"do_sample": True, "temperature": 0.8, "top_k": 50, "top_p": 0.95}
+    try:
+        runs = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            got = _generate(model, [prompt], **kwargs)[0]
+            torch.manual_seed(seed)
+            ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, **kwargs)[0, len(prompt):].tolist()
+            assert got == ref, f"seed {seed}"
+            runs.append(got)
+        assert runs[0] != runs[1], "two seeds gave one sequence: the test would not see a sampling bug"
+    finally:
+        _dispose(model)
+
+
+def test_cache_copy_and_restore_through_dump_and_load(sim, artifact, golden_decoder, tmp_path):
+    """Prefill a prompt into a MobilintCache, snapshot it (``dump_cache_memory``, and to files with
+    ``dump_cache_memory_to``), run on, then restore each snapshot: the continuation after each
+    restore equals the golden decoder's greedy continuation of the prompt."""
+    model = _load(artifact("llama"))
+    prompt = list(PROMPTS[1])
+    want = golden_decoder("llama").generate_greedy(prompt, NEW)
+    try:
+        torch.set_grad_enabled(False)  # a manual forward, as transformers-mblt's callers run it
+        from transformers_mblt.utils.cache_utils import build_mobilint_cache_from_model
+
+        cache = build_mobilint_cache_from_model(model, 1)
+        out = model(torch.tensor([prompt]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        first = int(out.logits[0, -1].argmax())
+        assert first == want[0]
+        cache.dump_cache_memory()
+        cache.dump_cache_memory_to(str(tmp_path))
+        twin = cache.copy()
+
+        def continue_from(token: int, kv: Any = None) -> list[int]:
+            kv = cache if kv is None else kv
+            got = [token]
+            for _ in range(NEW - 1):
+                step = model(torch.tensor([[got[-1]]]), past_key_values=kv, use_cache=True, logits_to_keep=1)
+                got.append(int(step.logits[0, -1].argmax()))
+            return got
+
+        assert continue_from(first) == want
+        assert continue_from(first, twin) == want  # the copy is independent of the cache run on
+        cache.load_cache_memory()
+        assert cache.get_seq_length() == len(prompt)
+        assert continue_from(first) == want
+        cache.load_cache_memory_from(str(tmp_path))
+        assert cache.get_seq_length() == len(prompt)
+        assert continue_from(first) == want
+    finally:
+        torch.set_grad_enabled(True)
+        _dispose(model)
+
+
+@pytest.mark.parametrize("output_logits", ["last", "all"])
+def test_keep_all_logits_equal_golden_at_every_position(sim, artifact, golden_decoder, output_logits):
+    """A keep-all forward (``logits_to_keep=0``) of a 20-token prompt: on a last-only MXQ
+    transformers-mblt runs one infer per kept position (its fallback), on an ``all`` MXQ one infer
+    per chunk. Either way every position's logits equal the golden decoder's, NMSE <= 1e-10
+    (float32 rounding; a wrong position or a stale cache gives NMSE near 1)."""
+    from npusim.q4x32.metrics import nmse
+
+    model = _load(artifact("qwen3", output_logits=output_logits))
+    prompt = [(11 * i + 2) % 1000 + 1 for i in range(20)]
+    golden = golden_decoder("qwen3")
+    want = golden.prefill(prompt, golden.new_cache(64))
+    try:
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # its "slow fallback" notice on last-only MXQs
+            got = model(torch.tensor([prompt]), use_cache=True, logits_to_keep=0).logits[0].numpy()
+        assert got.shape == want.shape
+        for pos in range(len(prompt)):
+            assert nmse(got[pos], want[pos]) <= 1e-10, pos
+    finally:
+        _dispose(model)
+
+
+def test_tracing_around_generate(sim, qbruntime, artifact, tmp_path):
+    """``qbruntime.start_tracing_events`` / ``stop_tracing_events`` around ``generate`` (the calls
+    transformers-mblt's ``benchmark_utils.start_qbruntime_trace`` makes; that module itself needs
+    matplotlib, which we do not install) write one infer span per NPU call."""
+    model = _load(artifact("llama"))
+    trace = tmp_path / "trace.json"
+    prompt = [(5 * i + 1) % 1000 + 1 for i in range(20)]  # 2 prefill chunks of width 16
+    try:
+        qbruntime.start_tracing_events(str(trace))
+        _generate(model, [prompt], do_sample=False)
+        qbruntime.stop_tracing_events()
+    finally:
+        _dispose(model)
+    events = json.loads(trace.read_text(encoding="utf-8"))
+    begins = [e for e in events if e["ph"] == "B" and e["name"] == "run npu"]
+    assert len(begins) == 2 + (NEW - 1), [e["name"] for e in events][:20]
+    assert all(e["cat"] == "qbruntime" and e["pid"] == 0 for e in events)
