@@ -133,7 +133,7 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
             Path(args.hf_dir), Path(args.out), max_batch_size=args.max_batch_size,
             max_cache_size=args.max_cache_size, max_width=args.max_width, core_mode=args.core_mode,
             prefill_chunk_size=_parse_chunk(args.prefill_chunk_size), output_logits=args.output_logits,
-            memory_flexible=not args.memory_fixed,
+            memory_flexible=not args.memory_fixed, hub_proxy=args.hub_proxy,
         )
     except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
         print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
@@ -203,7 +203,7 @@ def build_parser() -> argparse.ArgumentParser:
     al.set_defaults(func=_cmd_alias)
 
     mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally")
-    mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3"))
+    mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax"))
     mm.add_argument("--out", required=True, metavar="DIR")
     mm.add_argument("--seed", type=int, default=0, metavar="N")
     mm.set_defaults(func=_cmd_make_model)
@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--output-logits", default="last", choices=("last", "all"))
     comp.add_argument("--memory-fixed", action="store_true",
                       help="an older compiler's MXQ: never shares an explicitly named core with another model")
+    comp.add_argument("--hub-proxy", action="store_true",
+                      help="also write the Hub releases' auto_map + proxy_<family>.py (transformers-mblt classes), "
+                           "for --trust-remote-code in vllm-mblt's own environment")
     comp.set_defaults(func=_cmd_mxq_compile)
 
     rbln = sub.add_parser("rbln", help="Rebellions RBLN plugin (vllm_npu.rbln): architectures, AOT compile")

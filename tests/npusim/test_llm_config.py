@@ -20,14 +20,24 @@ from npusim.tinymodel import ARCHES, make_config
 @pytest.mark.parametrize("arch", ARCHES)
 def test_tiny_configs_parse(arch):
     cfg = ModelConfig.from_dict(make_config(arch))
+    layers = 4 if arch == "exaone4" else 2
     assert cfg.model_type == arch
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (128, 4, 2, 32)
-    assert (cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.max_position_embeddings) == (256, 2, 1024, 1024)
+    assert (cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.max_position_embeddings) == (256, layers, 1024, 1024)
     assert cfg.num_key_value_groups == 2 and cfg.q_size == 128 and cfg.kv_size == 64
-    assert cfg.tie_word_embeddings == (arch != "llama")
+    assert cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
     assert cfg.attention_bias == (arch == "qwen2") and not cfg.o_proj_bias and not cfg.mlp_bias
-    assert cfg.qk_norm == (arch == "qwen3")
-    assert cfg.rope == RopeConfig("default", 10000.0 if arch == "llama" else 1e6, 32, 1024)
+    assert cfg.qk_norm == (arch in ("qwen3", "exaone4"))
+    theta = 10000.0 if arch in ("llama", "hyperclovax") else 1e6
+    assert cfg.rope == RopeConfig("default", theta, 32, 1024)
+    assert cfg.norm_layout == {"exaone4": "post", "hyperclovax": "peri"}.get(arch, "pre")
+    if arch == "exaone4":
+        assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and cfg.sliding_window == 8
+    else:
+        assert cfg.layer_types == ("full_attention",) * layers and cfg.sliding_window is None
+    assert [cfg.uses_rope(i) for i in range(layers)] == [arch != "exaone4" or i < 3 for i in range(layers)]
+    mults = (cfg.embedding_multiplier, cfg.residual_multiplier, cfg.attention_scale, cfg.logits_scaling)
+    assert mults == ((1.5, 1.25, 0.125, 0.75) if arch == "hyperclovax" else (1.0, 1.0, 32**-0.5, 1.0))
     assert cfg.eos_token_ids == (0,) and cfg.bos_token_id == 1 and cfg.pad_token_id == 0
     assert cfg.dtype == "float32"
     hash(cfg)  # frozen and hashable
@@ -66,7 +76,8 @@ def test_load_config_reads_dir_and_file(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "pattern"),
     [
-        ({"model_type": "mistral"}, r"model_type 'mistral' is not supported \(supported: llama, qwen2, qwen3\)"),
+        ({"model_type": "mistral"},
+         r"model_type 'mistral' is not supported \(supported: llama, qwen2, qwen3, exaone4, hyperclovax\)"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported.*silu"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
          r"rope type 'yarn' is not supported \(supported: default, linear, dynamic, llama3\)"),
@@ -85,6 +96,90 @@ def test_sliding_window_is_unsupported(arch):
     with pytest.raises(UnsupportedModelError, match=r"sliding-window attention \(use_sliding_window=true, sliding_window=64\)"):
         ModelConfig.from_dict(make_config(arch, use_sliding_window=True, sliding_window=64))
     with pytest.raises(UnsupportedModelError, match=r"layer_types \['sliding_attention'\]"):
+        ModelConfig.from_dict(make_config(arch, layer_types=["full_attention", "sliding_attention"]))
+
+
+def test_exaone4_attention_pattern():
+    """Global layers are NoPE when a sliding_window is set; rotated (and windowless) when it is null."""
+    cfg = ModelConfig.from_dict(make_config("exaone4", num_hidden_layers=6))
+    assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention",) + ("sliding_attention", "full_attention")
+    assert [cfg.is_sliding(i) for i in range(6)] == [True, True, True, False, True, False]
+    assert [cfg.uses_rope(i) for i in range(6)] == [True, True, True, False, True, False]
+    assert not cfg.full_attention_rope and cfg.sliding_window == 8 and cfg.qk_norm
+    glob = ModelConfig.from_dict(make_config("exaone4", sliding_window=None, layer_types=["full_attention"] * 4))
+    assert glob.full_attention_rope and glob.sliding_window is None and all(glob.uses_rope(i) for i in range(4))
+    # without layer_types: transformers' integer sliding_window_pattern rule (default 4)
+    d = make_config("exaone4", num_hidden_layers=5, sliding_window_pattern=2)
+    del d["layer_types"]
+    assert ModelConfig.from_dict(d).layer_types == ("sliding_attention", "full_attention") * 2 + ("sliding_attention",)
+    del d["sliding_window_pattern"]
+    assert ModelConfig.from_dict(d).layer_types == ("sliding_attention",) * 3 + ("full_attention", "sliding_attention")
+    # exaone4 has no biases whatever the config says, and its own rms_norm_eps default
+    d = make_config("exaone4", attention_bias=True, mlp_bias=True)
+    del d["rms_norm_eps"]
+    cfg = ModelConfig.from_dict(d)
+    assert not (cfg.attention_bias or cfg.o_proj_bias or cfg.mlp_bias) and cfg.rms_norm_eps == 1e-5
+
+
+@pytest.mark.parametrize(
+    ("overrides", "error", "pattern"),
+    [
+        ({"layer_types": ["sliding_attention", "foo_attention", "sliding_attention", "full_attention"]},
+         UnsupportedModelError,
+         r"layer_types \['foo_attention'\] are not supported for exaone4 \(only 'full_attention', 'sliding_attention'\)"),
+        ({"layer_types": ["chunked_attention"] * 4}, UnsupportedModelError, r"layer_types \['chunked_attention'\] are not supported"),
+        ({"layer_types": ["full_attention"] * 3}, CheckpointError, r"layer_types must list one attention type per layer \(4\)"),
+        ({"sliding_window": 0}, CheckpointError, r"sliding_window must be a positive integer \(tokens\) or null, got 0"),
+        ({"sliding_window": None}, CheckpointError, r"'sliding_attention' layers need a positive sliding_window, got null"),
+    ],
+)
+def test_bad_exaone4_configs(overrides, error, pattern):
+    with pytest.raises(error, match=pattern):
+        ModelConfig.from_dict(make_config("exaone4", **overrides))
+
+
+def test_exaone4_needs_layer_types_unless_an_int_pattern():
+    """transformers itself cannot derive layer_types from a string pattern or without a window."""
+    d = make_config("exaone4", sliding_window_pattern="LLLG")
+    del d["layer_types"]
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window_pattern='LLLG'.*give layer_types"):
+        ModelConfig.from_dict(d)
+    d = make_config("exaone4", sliding_window=None)
+    del d["layer_types"]
+    with pytest.raises(UnsupportedModelError, match=r"sliding_window=None.*give layer_types"):
+        ModelConfig.from_dict(d)
+
+
+def test_hyperclovax_options():
+    plain = ModelConfig.from_dict(make_config("hyperclovax", use_post_norm=False, attention_multiplier=None,
+                                              attention_bias=True, mlp_bias=True))
+    assert plain.norm_layout == "pre" and plain.attention_multiplier is None and plain.attention_scale == 32**-0.5
+    assert plain.attention_bias and plain.o_proj_bias and plain.mlp_bias  # as llama
+    d = make_config("hyperclovax")
+    for key in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling", "use_post_norm"):
+        del d[key]
+    dflt = ModelConfig.from_dict(d)  # transformers' defaults: all 1, standard scale, Peri-LN on
+    assert (dflt.embedding_multiplier, dflt.residual_multiplier, dflt.logits_scaling) == (1.0, 1.0, 1.0)
+    assert dflt.attention_scale == 32**-0.5 and dflt.norm_layout == "peri"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "pattern"),
+    [
+        ({"embedding_multiplier": "2"}, r"'embedding_multiplier' must be a finite number, got '2'"),
+        ({"logits_scaling": float("nan")}, r"'logits_scaling' must be a finite number, got nan"),
+        ({"residual_multiplier": True}, r"'residual_multiplier' must be a finite number, got True"),
+        ({"hidden_size": 130, "head_dim": 32}, r"hidden_size 130 must be a multiple of num_attention_heads 4"),
+    ],
+)
+def test_bad_hyperclovax_configs(overrides, pattern):
+    with pytest.raises(CheckpointError, match=pattern):
+        ModelConfig.from_dict(make_config("hyperclovax", **overrides))
+
+
+@pytest.mark.parametrize("arch", ["llama", "hyperclovax"])
+def test_sliding_layers_are_unsupported_without_exaone4(arch):
+    with pytest.raises(UnsupportedModelError, match=rf"layer_types \['sliding_attention'\] are not supported for {arch}"):
         ModelConfig.from_dict(make_config(arch, layer_types=["full_attention", "sliding_attention"]))
 
 

@@ -1,4 +1,5 @@
-"""The golden decoder on its own (numpy only): chunking, batching, KV cache rules, bad inputs."""
+"""The golden decoder on its own (numpy only): chunking, batching, KV cache rules, bad inputs,
+sliding-window exactness (exaone4) and the hyperclovax multipliers."""
 
 from __future__ import annotations
 
@@ -302,6 +303,84 @@ def test_sharded_checkpoint_loads_like_single_file(tmp_path, tiny_decoder):
     ids = _ids(6)
     ref = tiny_decoder("qwen3")
     np.testing.assert_array_equal(dec.prefill(ids, dec.new_cache(6)), ref.prefill(ids, ref.new_cache(6)))
+
+
+# ---------------------------------------------------------------- sliding window, new families
+
+#: exaone4 with every layer sliding (window 8): no global layer to see past the windows.
+ALL_SLIDING = {"layer_types": ["sliding_attention"] * 4}
+
+
+def test_sliding_window_receptive_field_is_exact(tiny_decoder):
+    """4 sliding layers of window 8: the output at position p depends on tokens p - 28 .. p
+    (each layer reaches 7 tokens back), so changing token 0 changes position 28 and leaves
+    every position from 29 on bit-identical, in one-shot and in chunked prefill."""
+    dec = tiny_decoder("exaone4", **ALL_SLIDING)
+    ids = _ids(48, seed=4)
+    other = ids.copy()
+    other[0] = 4 if ids[0] != 4 else 5
+    a = dec.prefill(ids, dec.new_cache(48))
+    b = dec.prefill(other, dec.new_cache(48))
+    assert np.abs(a[28] - b[28]).max() > 1e-4
+    np.testing.assert_array_equal(a[29:], b[29:])
+    np.testing.assert_array_equal(_chunked(dec, other, [3, 9, 1, 20, 15])[29:], a[29:])
+    # the hybrid default has a global layer, which sees token 0 from everywhere
+    hybrid = tiny_decoder("exaone4")
+    h_a, h_b = hybrid.prefill(ids, hybrid.new_cache(48)), hybrid.prefill(other, hybrid.new_cache(48))
+    assert np.abs(h_a[40:] - h_b[40:]).max() > 1e-6
+
+
+def test_sliding_window_decode_past_the_window(tiny_decoder, record_diff):
+    """Decode steps far past the window (30 tokens after a 3-token prompt, window 8; the cache
+    keeps every token) equal one-shot prefill of the whole path, and greedy follows its argmax."""
+    dec = tiny_decoder("exaone4")
+    prompt = _ids(3, seed=9)
+    toks = dec.generate_greedy(prompt, 30)
+    path = np.concatenate([prompt, toks[:-1]])
+    cache = dec.new_cache(len(path))
+    steps = np.concatenate([dec.prefill(prompt, cache)] + [dec.prefill([t], cache) for t in toks[:-1]])
+    whole = dec.prefill(path, dec.new_cache(len(path)))
+    record_diff("exaone4: decode steps vs one-shot prefill", float(np.abs(steps - whole).max()))
+    assert np.abs(steps - whole).max() <= CHUNK_TOL
+    assert [int(np.argmax(r)) for r in whole[len(prompt) - 1 :]] == toks
+    assert cache.length == len(path)  # every token kept, also those out of every window
+
+
+def test_new_families_forward_embeddings_and_q4x32(tiny_decoder):
+    """hyperclovax multiplies given embeddings by embedding_multiplier too (as transformers'
+    inputs_embeds), so forward_embeddings(embed(ids)) == prefill(ids); both new families run
+    with the Q4_0x32 linear layers."""
+    ids = _ids(12, seed=6)
+    for arch in ("exaone4", "hyperclovax"):
+        dec = tiny_decoder(arch)
+        a = dec.prefill(ids, dec.new_cache(12))
+        np.testing.assert_array_equal(a, dec.forward_embeddings(dec.embed(ids), dec.new_cache(12)))
+        q4 = Decoder(dec.config, make_weights(dec.config, 0), linear="q4x32")
+        b = q4.prefill(ids, q4.new_cache(12))
+        assert np.isfinite(b).all() and 0 < np.abs(a - b).max() < 0.5 * np.abs(a).max()
+
+
+def test_hyperclovax_multipliers_are_applied(tiny_decoder):
+    """Each MuP factor changes the result; logits_scaling alone scales the logits exactly."""
+    base = tiny_decoder("hyperclovax")
+    ids = _ids(16, seed=7)
+    ref = base.prefill(ids, base.new_cache(16))
+    for key, value in (("embedding_multiplier", 1.0), ("residual_multiplier", 1.0), ("attention_multiplier", None)):
+        other = tiny_decoder("hyperclovax", **{key: value})
+        assert np.abs(other.prefill(ids, other.new_cache(16)) - ref).max() > 1e-2, key
+    unit = tiny_decoder("hyperclovax", logits_scaling=1.0)
+    np.testing.assert_allclose(unit.prefill(ids, unit.new_cache(16)) * 0.75, ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize(("arch", "missing"), [
+    ("exaone4", "model.layers.2.post_feedforward_layernorm.weight"),
+    ("exaone4", "model.layers.0.self_attn.q_norm.weight"),
+    ("hyperclovax", "model.layers.1.post_norm1.weight"),
+])
+def test_new_family_checkpoint_missing_norm(tmp_path, arch, missing):
+    _write_model(tmp_path, arch, lambda w: w.pop(missing))
+    with pytest.raises(CheckpointError, match=missing.replace(".", r"\.")):
+        Decoder.from_pretrained(tmp_path)
 
 
 def test_npusim_imports_with_numpy_alone():

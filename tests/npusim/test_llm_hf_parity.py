@@ -4,10 +4,16 @@ The per-family checks (64-token prefill within 1e-4, greedy decoding of 32 token
 to ``generate``) are the reference conformance scenarios,
 ``conformance/npu_conformance/scenarios/test_llm_reference.py``, which this suite also runs.
 Here: RoPE scaling types ``linear``, ``dynamic`` and ``llama3`` within 1e-4, and greedy
-decoding identical.
+decoding identical; and the EXAONE 4 / HyperCLOVA X variants (sliding window 8 crossed by
+prompts and decoding, global NoPE layers, post/Peri-LN norms, MuP multipliers): one-shot and
+chunked prefill of 64 tokens within 1e-4 (NMSE <= 1e-9) of transformers' forward, chunked
+prefill also against transformers fed the same chunks through its own cache, and greedy
+decoding identical to ``generate(do_sample=False)``.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -18,6 +24,8 @@ pytest.importorskip("transformers")
 from npusim.llm import Decoder, ModelConfig, load_safetensors  # noqa: E402
 
 LOGIT_TOL = 1e-4
+NMSE_TOL = 1e-9  # mean squared error / mean squared reference logit
+CHUNK_TOL = 1e-5
 
 
 def _prompt(n: int, seed: int = 7, vocab: int = 1024) -> np.ndarray:
@@ -80,3 +88,109 @@ def test_rope_scaling_matches_hf(rope_type, tiny_model_dir, hf_model, record_dif
     prompt = _prompt(40, seed=5)
     ours_gen = dec.generate_greedy(prompt, 16, eos_token_id=list(dec.config.eos_token_ids))
     assert ours_gen == _hf_greedy(hf_model(d, fresh=True), prompt, 16)
+
+
+# ---------------------------------------------------------------- exaone4 / hyperclovax
+
+#: name -> (arch, config overrides). The default tiny exaone4 is hybrid: layers
+#: sliding(8) / sliding / sliding / global, RoPE only in the sliding ones.
+FAMILY_CASES = {
+    "exaone4": ("exaone4", {}),
+    # sliding_window null: every layer global and rotated (transformers' non-hybrid EXAONE 4)
+    "exaone4-no-window": ("exaone4", {"sliding_window": None, "layer_types": ["full_attention"] * 4}),
+    "hyperclovax": ("hyperclovax", {}),
+    # no Peri-LN output norms, the standard head_dim ** -0.5 attention scale
+    "hyperclovax-plain": ("hyperclovax", {"use_post_norm": False, "attention_multiplier": None}),
+}
+#: Chunk sizes of a 64-token prompt that start and end chunks inside and across windows of 8.
+CHUNKS = [5, 3, 8, 1, 13, 2, 32]
+
+
+def _nmse(ours: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.mean((ours.astype(np.float64) - ref) ** 2) / np.mean(ref.astype(np.float64) ** 2))
+
+
+def _check_logits(name: str, ours: np.ndarray, ref: np.ndarray, record_diff) -> None:
+    diff, nmse = float(np.abs(ours - ref).max()), _nmse(ours, ref)
+    record_diff(name, diff)
+    record_diff(name + " NMSE", nmse)
+    assert ours.shape == ref.shape
+    assert diff <= LOGIT_TOL and nmse <= NMSE_TOL, (diff, nmse)
+
+
+def _hf_chunked_logits(model, ids: np.ndarray, sizes: list[int]) -> np.ndarray:
+    """transformers fed ``ids`` in chunks through its own cache (sliding layers keep only the
+    last ``sliding_window - 1`` tokens there)."""
+    from transformers import DynamicCache
+
+    cache, out, pos = DynamicCache(config=model.config), [], 0
+    with torch.no_grad():
+        for n in sizes:
+            chunk = torch.tensor(ids[pos : pos + n], dtype=torch.long)[None]
+            res = model(chunk, past_key_values=cache, use_cache=True)
+            cache = res.past_key_values
+            out.append(res.logits[0].float().numpy())
+            pos += n
+    return np.concatenate(out)
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_CASES))
+def test_family_prefill_matches_hf(case, tiny_model_dir, hf_model, record_diff):
+    """64-token prompt (8 windows of 8): one-shot and chunked prefill equal transformers'
+    forward (max |d| <= 1e-4, NMSE <= 1e-9), chunked equals one-shot (<= 1e-5), and
+    transformers fed the same chunks agrees too."""
+    arch, overrides = FAMILY_CASES[case]
+    d = tiny_model_dir(arch, **overrides)
+    dec = Decoder.from_pretrained(d)
+    model = hf_model(d)
+    assert type(model).__name__ == {"exaone4": "Exaone4ForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM"}[arch]
+    ids = _prompt(64, seed=3)
+    ref = _hf_logits(model, ids)
+    ours = dec.prefill(ids, dec.new_cache(64))
+    _check_logits(f"{case}: prefill(64) vs HF forward", ours, ref, record_diff)
+
+    cache, parts, pos = dec.new_cache(64), [], 0
+    for n in CHUNKS:
+        parts.append(dec.prefill(ids[pos : pos + n], cache))
+        pos += n
+    chunked = np.concatenate(parts)
+    record_diff(f"{case}: chunked vs one-shot prefill", float(np.abs(chunked - ours).max()))
+    assert np.abs(chunked - ours).max() <= CHUNK_TOL
+    _check_logits(f"{case}: chunked prefill vs HF forward", chunked, ref, record_diff)
+    _check_logits(f"{case}: chunked prefill vs HF chunked", chunked, _hf_chunked_logits(model, ids, CHUNKS), record_diff)
+
+
+@pytest.mark.parametrize("case", sorted(FAMILY_CASES))
+def test_family_greedy_matches_hf(case, tiny_model_dir, hf_model, record_diff):
+    """A 5-token prompt (inside the window) and 24 greedy tokens (decode steps cross the window
+    at step 4): identical to ``generate(do_sample=False)``; the logits along the path within 1e-4."""
+    arch, overrides = FAMILY_CASES[case]
+    d = tiny_model_dir(arch, **overrides)
+    dec = Decoder.from_pretrained(d)
+    model = hf_model(d)
+    for seed in (5, 11):
+        prompt = _prompt(5, seed=seed)
+        ours = dec.generate_greedy(prompt, 24)  # no eos stop on either side
+        with torch.no_grad():
+            inp = torch.tensor(prompt, dtype=torch.long)[None]
+            out = model.generate(inp, attention_mask=torch.ones_like(inp), do_sample=False, max_new_tokens=24,
+                                 min_new_tokens=24, pad_token_id=0)
+        assert ours == out[0, len(prompt) :].tolist()
+        path = np.concatenate([prompt, ours[:-1]])
+        _check_logits(f"{case}: prefill(greedy path) vs HF", dec.prefill(path, dec.new_cache(len(path))),
+                      _hf_logits(model, path), record_diff)
+
+
+def test_exaone4_window_and_nope_matter(tiny_model_dir, hf_model):
+    """The parity above proves something: a much wider window, or RoPE in the global layer,
+    moves the logits far beyond the tolerance."""
+    d = tiny_model_dir("exaone4")
+    dec = Decoder.from_pretrained(d)
+    assert [dec.config.uses_rope(i) for i in range(4)] == [True, True, True, False]
+    weights = load_safetensors(d)
+    ids = _prompt(64, seed=3)
+    ours = dec.prefill(ids, dec.new_cache(64))
+    wide = Decoder(ModelConfig.from_dict({**dec.config.raw, "sliding_window": 64}), weights)
+    assert np.abs(wide.prefill(ids, wide.new_cache(64)) - ours).max() > 1e-2
+    roped = Decoder(dataclasses.replace(dec.config, full_attention_rope=True), weights)  # RoPE in layer 3 too
+    assert np.abs(roped.prefill(ids, roped.new_cache(64)) - ours).max() > 1e-2

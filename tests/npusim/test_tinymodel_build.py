@@ -14,6 +14,14 @@ import npusim.tinymodel as tinymodel
 from npusim.llm import Decoder, load_config, load_safetensors
 from npusim.tinymodel import ARCHES
 
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "exaone4": "Exaone4ForCausalLM",
+    "hyperclovax": "HyperCLOVAXForCausalLM",
+}
+
 EXPECTED_FILES = {
     "config.json",
     "generation_config.json",
@@ -29,11 +37,11 @@ def _digests(d: Path) -> dict[str, str]:
 
 
 def test_arches():
-    assert tinymodel.ARCHES == ("llama", "qwen2", "qwen3")
+    assert tinymodel.ARCHES == ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax")
 
 
 def test_unknown_arch(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown arch 'gpt2' \(choices: llama, qwen2, qwen3\)"):
+    with pytest.raises(ValueError, match=r"unknown arch 'gpt2' \(choices: llama, qwen2, qwen3, exaone4, hyperclovax\)"):
         tinymodel.build("gpt2", tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -45,10 +53,11 @@ def test_files_and_contents(arch, tiny_model_dir):
     assert sum(p.stat().st_size for p in d.iterdir()) < 5 * 2**20
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["model_type"] == arch
-    assert cfg["architectures"] == [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}[arch]]
+    assert cfg["architectures"] == [ARCHITECTURES[arch]]
     assert cfg["dtype"] == "float32" and cfg["vocab_size"] == 1024
-    assert cfg["rope_parameters"] == {"rope_theta": 10000.0 if arch == "llama" else 1e6, "rope_type": "default"}
-    assert cfg["tie_word_embeddings"] == (arch != "llama")
+    theta = 10000.0 if arch in ("llama", "hyperclovax") else 1e6
+    assert cfg["rope_parameters"] == {"rope_theta": theta, "rope_type": "default"}
+    assert cfg["tie_word_embeddings"] == (arch in ("qwen2", "qwen3"))
     gen = json.loads((d / "generation_config.json").read_text())
     assert (gen["bos_token_id"], gen["eos_token_id"], gen["pad_token_id"]) == (cfg["bos_token_id"], cfg["eos_token_id"], cfg["pad_token_id"])
     tok = json.loads((d / "tokenizer.json").read_text())
@@ -62,9 +71,13 @@ def test_files_and_contents(arch, tiny_model_dir):
 
     weights = load_safetensors(d)
     assert all(w.dtype == np.float32 for w in weights.values())
-    assert ("lm_head.weight" in weights) == (arch == "llama")
+    assert ("lm_head.weight" in weights) == (arch in ("llama", "exaone4", "hyperclovax"))
     assert ("model.layers.0.self_attn.q_proj.bias" in weights) == (arch == "qwen2")
-    assert ("model.layers.1.self_attn.k_norm.weight" in weights) == (arch == "qwen3")
+    assert ("model.layers.1.self_attn.k_norm.weight" in weights) == (arch in ("qwen3", "exaone4"))
+    assert ("model.layers.1.input_layernorm.weight" in weights) == (arch != "exaone4")
+    assert ("model.layers.1.post_feedforward_layernorm.weight" in weights) == (arch == "exaone4")
+    assert ("model.layers.1.post_norm2.weight" in weights) == (arch == "hyperclovax")
+    assert all(w.std() < 0.2 for n, w in weights.items() if n.endswith("norm.weight") or ".post_norm" in n)
     dec = Decoder.from_pretrained(d)
     logits = dec.prefill(np.arange(4, 36), dec.new_cache(32))
     assert np.isfinite(logits).all() and 0.5 < logits.std() < 20
@@ -92,6 +105,33 @@ def test_overrides(tiny_model_dir):
     assert cfg.raw["layer_types"] == ["full_attention"]
     assert not any(n.startswith("model.layers.1.") for n in load_safetensors(d))
     assert json.loads((d / "tokenizer_config.json").read_text())["model_max_length"] == 32
+
+
+def test_exaone4_config(tiny_model_dir):
+    """Hybrid attention: LLLG over 4 layers, window 8; fewer layers keep the last one global."""
+    d = tiny_model_dir("exaone4")
+    cfg = json.loads((d / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] * 3 + ["full_attention"]
+    assert (cfg["sliding_window"], cfg["sliding_window_pattern"], cfg["num_hidden_layers"]) == (8, "LLLG", 4)
+    names = set(load_safetensors(d))
+    assert not any("input_layernorm" in n for n in names) and "model.layers.3.post_attention_layernorm.weight" in names
+    two = tinymodel.make_config("exaone4", num_hidden_layers=2)
+    assert two["layer_types"] == ["sliding_attention", "full_attention"]
+    assert tinymodel.make_config("exaone4", num_hidden_layers=1)["layer_types"] == ["full_attention"]
+    assert tinymodel.make_config("exaone4", num_hidden_layers=9)["layer_types"][4:] == ["sliding_attention"] * 3 + ["full_attention"] * 2
+    assert "layer_types" not in tinymodel.make_config("hyperclovax") and "layer_types" not in tinymodel.make_config("llama")
+
+
+def test_hyperclovax_config(tiny_model_dir):
+    """MuP factors away from 1, Peri-LN norms written; use_post_norm=False drops post_norm1/2."""
+    d = tiny_model_dir("hyperclovax")
+    cfg = json.loads((d / "config.json").read_text())
+    assert {k: cfg[k] for k in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")} == {
+        "embedding_multiplier": 1.5, "residual_multiplier": 1.25, "attention_multiplier": 0.125, "logits_scaling": 0.75}
+    assert cfg["use_post_norm"] is True
+    assert {"model.layers.0.post_norm1.weight", "model.layers.0.post_norm2.weight"} <= set(load_safetensors(d))
+    plain = tiny_model_dir("hyperclovax", use_post_norm=False)
+    assert not any(".post_norm" in n for n in load_safetensors(plain))
 
 
 def test_vocab_override_must_cover_the_tokenizer(tmp_path):

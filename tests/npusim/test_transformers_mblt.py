@@ -50,7 +50,7 @@ def qbruntime() -> Iterator[Any]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # Qwen3-ASR needs the optional qwen-asr extra
         registered = transformers_mblt.register()
-    assert {"llama", "qwen2", "qwen3"} <= set(registered)
+    assert {"llama", "qwen2", "qwen3", "exaone4"} <= set(registered)
     yield mod
     from npusim.mxq import machine
 
@@ -112,13 +112,13 @@ def _dispose(model: Any) -> None:
     model.dispose() if hasattr(model, "dispose") else model.npu_backend.dispose()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "exaone4", "hyperclovax"])
 def test_greedy_equals_golden_and_transformers(sim, artifact, golden_decoder, hf_model, tiny_model_dir, arch):
     model = _load(artifact(arch))
     golden, hf = golden_decoder(arch), hf_model(tiny_model_dir(arch))
     try:
-        for prompt in PROMPTS[:2]:
-            got = _generate(model, [list(prompt)], do_sample=False)[0]
+        for prompt in (*PROMPTS[:2], [(13 * i + 7) % 1000 + 1 for i in range(30)]):  # the last crosses
+            got = _generate(model, [list(prompt)], do_sample=False)[0]                # EXAONE4's window
             assert got == golden.generate_greedy(prompt, NEW)
             ref = hf.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False)[0, len(prompt):].tolist()
             assert got == ref

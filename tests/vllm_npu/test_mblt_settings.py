@@ -350,11 +350,23 @@ def test_batch32_reference_case():
     assert p.prefill_chunk == 128 and p.max_batch_size == 32
 
 
-def test_user_max_num_batched_tokens_lowers_the_chunk():
+def test_user_max_num_batched_tokens_lowers_the_chunk_of_one_sequence():
     assert plan({"npu_prefill_chunk_size": 256}, user_max_num_batched_tokens=100).max_num_batched_tokens == 100
     assert plan({"npu_prefill_chunk_size": 256}, user_max_num_batched_tokens=8192).max_num_batched_tokens == 256
-    p = plan({"max_batch_size": 4}, user_max_num_batched_tokens=100)
-    assert (p.prefill_chunk, p.max_num_batched_tokens, p.long_prefill_token_threshold) == (100, 400, 100)
+
+
+def test_batch_models_replace_the_user_max_num_batched_tokens(caplog):
+    """Reference rule 8 (vllm-mblt, measured: K=4 with {"single": 256} -> "Clamping ... 256 to
+    128" and 512): with several sequences per step, chunk x max_num_seqs wins, with a warning."""
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
+        p = plan({"max_batch_size": 4, "npu_prefill_chunk_size": {"single": 256}}, user_max_num_batched_tokens=100)
+    assert (p.prefill_chunk, p.max_num_batched_tokens, p.long_prefill_token_threshold) == (128, 512, 128)
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "Replacing --max-num-batched-tokens 100 with chunked prefill size 128 x max_num_seqs 4 = 512" in text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="vllm.vllm_npu.mblt"):
+        plan({"max_batch_size": 4}, user_max_num_batched_tokens=512)  # equal: nothing to say
+    assert "Replacing" not in "\n".join(r.getMessage() for r in caplog.records)
 
 
 def test_max_num_seqs_clamped_kept_or_taken(caplog):
@@ -417,7 +429,7 @@ def test_plan_invariants(batch, chunk, user_seqs, user_tokens):
              user_max_num_seqs=user_seqs, user_max_num_batched_tokens=user_tokens)
     assert p.max_num_seqs == (batch if user_seqs is None else min(user_seqs, batch))
     expected_chunk = min(chunk, 128) if batch > 1 else chunk
-    if user_tokens is not None:
+    if user_tokens is not None and p.max_num_seqs == 1:
         expected_chunk = min(expected_chunk, user_tokens)
     assert p.prefill_chunk == p.long_prefill_token_threshold == expected_chunk
     assert p.max_num_batched_tokens == expected_chunk * p.max_num_seqs

@@ -642,9 +642,12 @@ def plan_scheduler(
     * ``max_num_seqs``: unresolved ``max_batch_size`` keeps the user's value (1 when
       unset): the requests then share one cache slot; else ``max_batch_size`` when unset; a larger user value is clamped to it
       (warning); a smaller one is kept.
-    * chunk from :func:`resolve_prefill_chunk`; a user ``--max-num-batched-tokens`` lowers it
-      to ``min(user, chunk)``.
-    * ``max_num_batched_tokens = chunk * max_num_seqs``, long-prefill threshold ``chunk``.
+    * chunk from :func:`resolve_prefill_chunk` (at most 128 for batch models).
+    * ``max_num_seqs > 1``: ``max_num_batched_tokens = chunk * max_num_seqs``, replacing a user
+      ``--max-num-batched-tokens`` (with a warning naming both), as the reference's rule 8 and
+      vllm-mblt do. ``max_num_seqs == 1``: a user ``--max-num-batched-tokens`` lowers the chunk
+      to ``min(user, chunk)``, and ``max_num_batched_tokens`` is that chunk.
+    * long-prefill threshold: the chunk.
 
     Raises:
         MbltConfigError: a ``user_*`` value is not a positive int (or bool for prefix
@@ -690,7 +693,14 @@ def plan_scheduler(
                     max_num_seqs, max_batch_size)
 
     chunk, _ = resolve_prefill_chunk(hf_config, core_mode, max_batch_size)
-    if user_max_num_batched_tokens is not None and user_max_num_batched_tokens < chunk:
+    if user_max_num_batched_tokens is not None and max_num_seqs > 1:
+        if user_max_num_batched_tokens != chunk * max_num_seqs:
+            logger.warning(
+                "Replacing --max-num-batched-tokens %d with chunked prefill size %d x max_num_seqs %d "
+                "= %d: with several sequences per step every one may prefill a chunk (as vllm-mblt).",
+                user_max_num_batched_tokens, chunk, max_num_seqs, chunk * max_num_seqs,
+            )
+    elif user_max_num_batched_tokens is not None and user_max_num_batched_tokens < chunk:
         logger.info("Using the user max_num_batched_tokens %d below the chunked prefill size %d.",
                     user_max_num_batched_tokens, chunk)
         chunk = user_max_num_batched_tokens

@@ -1,4 +1,5 @@
-"""Golden numpy reference decoder for Llama / Qwen2 / Qwen3 checkpoints (numpy only).
+"""Golden numpy reference decoder for Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X checkpoints
+(numpy only).
 
 Public API::
 

@@ -1,13 +1,27 @@
-"""The golden numpy decoder for Llama / Qwen2 / Qwen3 checkpoints.
+"""The golden numpy decoder for Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X checkpoints.
 
-Computation per layer, as in transformers' eager implementation::
+Computation per layer, as in transformers' eager implementation (``m`` the residual
+multiplier, 1 except for hyperclovax; see ``ModelConfig.norm_layout``)::
 
-    h = h + o_proj(attention(rope(q_norm?(q_proj(rms(h)))), rope(k_norm?(k_proj(rms(h)))), v_proj(rms(h))))
-    h = h + down_proj(silu(gate_proj(rms(h))) * up_proj(rms(h)))
+    a = attention(rope?(q_norm?(q_proj(x))), rope?(k_norm?(k_proj(x))), v_proj(x))   with x = n1(h) or h
+    h = h + m * p1?(o_proj(a))
+    h = h + m * p2?(down_proj(silu(gate_proj(y)) * up_proj(y)))                       with y = n2(h) or h
+
+* llama / qwen2 / qwen3 (``"pre"``): ``x = input_layernorm(h)``, ``y = post_attention_layernorm(h)``,
+  no output norms.
+* exaone4 (``"post"``): no input norms (``x = y = h``); ``p1 = post_attention_layernorm``,
+  ``p2 = post_feedforward_layernorm``; q/k RMSNorm in every layer; RoPE only in the
+  ``sliding_attention`` layers when a ``sliding_window`` is set (global layers are NoPE),
+  in every layer when it is null.
+* hyperclovax (``"peri"``): as llama plus ``p1 = post_norm1``, ``p2 = post_norm2``; the input
+  embeddings are multiplied by ``embedding_multiplier``, attention scores by
+  ``attention_multiplier`` (instead of ``head_dim ** -0.5``) and the logits by ``logits_scaling``.
 
 then a final RMSNorm and the LM head. Attention is grouped-query and causal over the
 sequence's KV cache: query ``t`` of a chunk appended at cache length ``L`` sees keys
-``0 .. L + t``.
+``0 .. L + t``; in a sliding-window layer only keys ``L + t - W + 1 .. L + t`` (``W`` the
+``sliding_window``). The cache always keeps every token; the window is a mask, so chunked
+prefill and decode steps past the window are exact.
 
 Numerics: parameters, activations between operations and the KV cache are rounded to the
 decoder's ``dtype`` (float32 by default), but every operation (matrix products, RMSNorm,
@@ -41,6 +55,20 @@ __all__ = ["Decoder", "expected_tensor_shapes"]
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
+#: HF names of a layer's RMSNorms per ``ModelConfig.norm_layout``, in checkpoint order.
+_LAYER_NORMS: dict[str, tuple[str, ...]] = {
+    "pre": ("input_layernorm", "post_attention_layernorm"),
+    "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+    "peri": ("input_layernorm", "post_attention_layernorm", "post_norm1", "post_norm2"),
+}
+#: Per layout, the HF norm used at each of the four sites: before attention (``ln1``), after it
+#: (``pn1``), before the MLP (``ln2``), after it (``pn2``); ``None``: no norm there.
+_NORM_SITES: dict[str, dict[str, str | None]] = {
+    "pre": {"ln1": "input_layernorm", "pn1": None, "ln2": "post_attention_layernorm", "pn2": None},
+    "post": {"ln1": None, "pn1": "post_attention_layernorm", "ln2": None, "pn2": "post_feedforward_layernorm"},
+    "peri": {"ln1": "input_layernorm", "pn1": "post_norm1", "ln2": "post_attention_layernorm", "pn2": "post_norm2"},
+}
+
 
 def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name -> shape of every weight the decoder needs for ``config``.
@@ -52,8 +80,8 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(c.num_hidden_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        for norm in _LAYER_NORMS[c.norm_layout]:
+            shapes[p + norm + ".weight"] = (h,)
         shapes[p + "self_attn.q_proj.weight"] = (q, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv, h)
@@ -96,7 +124,7 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 class Decoder:
-    """A decoder-only transformer (Llama / Qwen2 / Qwen3) evaluated with numpy.
+    """A decoder-only transformer (Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X) evaluated with numpy.
 
     Attributes:
         config: the :class:`ModelConfig`.
@@ -146,10 +174,10 @@ class Decoder:
         self._layers: list[dict[str, np.ndarray | None]] = []
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
+            norms = {site: (None if name is None else w[p + name + ".weight"]) for site, name in _NORM_SITES[config.norm_layout].items()}
             self._layers.append(
                 {
-                    "ln1": w[p + "input_layernorm.weight"],
-                    "ln2": w[p + "post_attention_layernorm.weight"],
+                    **norms,
                     "wq": w[p + "self_attn.q_proj.weight"],
                     "wk": w[p + "self_attn.k_proj.weight"],
                     "wv": w[p + "self_attn.v_proj.weight"],
@@ -238,6 +266,10 @@ class Decoder:
 
     def forward_embeddings(self, embeds: np.ndarray, cache: KVCache) -> np.ndarray:
         """Like :meth:`prefill`, from input embeddings ``[T, hidden_size]`` (``T >= 1``).
+
+        As transformers' ``inputs_embeds``, they are multiplied by the config's
+        ``embedding_multiplier`` (hyperclovax), so ``forward_embeddings(embed(ids))`` equals
+        ``prefill(ids)``.
 
         Raises:
             ValueError: ``embeds`` is not ``[T, hidden_size]`` with ``T >= 1`` (shapes named).
@@ -361,6 +393,7 @@ class Decoder:
         return y.astype(self.dtype)
 
     def _forward(self, xs: list[np.ndarray], caches: list[KVCache]) -> list[np.ndarray]:
+        """Run the flattened chunks ``xs`` (embeddings, not yet multiplied) against their caches."""
         if not xs:
             return []
         c = self.config
@@ -374,8 +407,29 @@ class Decoder:
             cache.check_append(x.shape[0])
 
         lens = [x.shape[0] for x in xs]
-        bounds = np.concatenate([[0], np.cumsum(lens)])
+        bounds = [int(b) for b in np.concatenate([[0], np.cumsum(lens)])]
         starts = [cache.length for cache in caches]
+        segments = list(zip(bounds[:-1], caches, starts, lens))
+        cos, sin = self._rope_tables(starts, lens)
+        dt = self.dtype
+        eps = c.rms_norm_eps
+        h = self._scale(np.concatenate(xs).astype(dt, copy=False), c.embedding_multiplier)
+        for li, L in enumerate(self._layers):
+            x = h if L["ln1"] is None else _rms_norm(h, L["ln1"], eps, dt)
+            h = self._residual_add(h, self._attention(li, L, x, cos, sin, segments), L["pn1"])
+            x = h if L["ln2"] is None else _rms_norm(h, L["ln2"], eps, dt)
+            h = self._residual_add(h, self._mlp(li, L, x), L["pn2"])
+        h = _rms_norm(h, self._final_norm, eps, dt)
+        logits = (h.astype(_ACC) @ self._lm_head.T).astype(dt)
+        logits = self._scale(logits, c.logits_scaling).astype(np.float32)
+        for cache, n in zip(caches, lens):
+            cache.advance(n)
+        return [logits[s : s + n] for s, n in zip(bounds[:-1], lens)]
+
+    def _rope_tables(self, starts: list[int], lens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """``cos``/``sin`` ``[sum(lens), head_dim]`` (float64 holding decoder-dtype values) for
+        positions ``start .. start + n - 1`` of every sequence."""
+        c = self.config
         rope_dt = np.float64 if self.dtype == np.float64 else np.float32
         cos_parts, sin_parts = [], []
         for start, n in zip(starts, lens):
@@ -386,65 +440,96 @@ class Decoder:
         # as transformers: tables computed in float32 (float64 for a float64 model), cast to the model dtype
         cos = np.concatenate(cos_parts).astype(self.dtype).astype(_ACC)
         sin = np.concatenate(sin_parts).astype(self.dtype).astype(_ACC)
+        return cos, sin
 
-        n_tok = int(bounds[-1])
-        dt = self.dtype
+    def _scale(self, x: np.ndarray, factor: float) -> np.ndarray:
+        """``x * factor`` rounded to the decoder dtype, the factor first rounded as torch rounds a
+        Python scalar (float32 for float16/float32 models). ``factor == 1`` returns ``x`` itself."""
+        if factor == 1.0:
+            return x
+        f = _ACC(factor) if self.dtype == np.float64 else _ACC(np.float32(factor))
+        return (x.astype(_ACC) * f).astype(self.dtype)
+
+    def _residual_add(self, h: np.ndarray, out: np.ndarray, post_norm: np.ndarray | None) -> np.ndarray:
+        """``h + residual_multiplier * post_norm?(out)``, each step rounded to the decoder dtype."""
+        if post_norm is not None:
+            out = _rms_norm(out, post_norm, self.config.rms_norm_eps, self.dtype)
+        out = self._scale(out, self.config.residual_multiplier)
+        return (h.astype(_ACC) + out).astype(self.dtype)
+
+    def _attention(self, li: int, L: Mapping[str, np.ndarray | None], x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+                   segments: list[tuple[int, KVCache, int, int]]) -> np.ndarray:
+        """Self-attention of layer ``li`` over ``x`` ``[n_tok, hidden]``, through ``o_proj``.
+
+        ``segments``: per sequence ``(row offset in x, cache, cache length before, rows)``. Writes
+        the new keys (after q/k norm and RoPE, as transformers caches them) and values into
+        each cache (not advanced here).
+        """
+        c, dt = self.config, self.dtype
+        n_tok = x.shape[0]
         hd, nh, nkv, groups = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups
-        scale = hd**-0.5
-        eps = c.rms_norm_eps
-        h = np.concatenate(xs).astype(dt, copy=False)
-        for li, L in enumerate(self._layers):
-            x = _rms_norm(h, L["ln1"], eps, dt)
-            if self._q4 is None:
-                q = self._linear(x, L["wq"], L["bq"])
-                k = self._linear(x, L["wk"], L["bk"])
-                v = self._linear(x, L["wv"], L["bv"])
-            else:
-                q, k, v = self._q4[li]["qkv"](x, (L["bq"], L["bk"], L["bv"]), dt)
-            q = q.reshape(n_tok, nh, hd)
-            k = k.reshape(n_tok, nkv, hd)
-            v = v.reshape(n_tok, nkv, hd)
-            if c.qk_norm:
-                q = _rms_norm(q, L["qn"], eps, dt)
-                k = _rms_norm(k, L["kn"], eps, dt)
+        if self._q4 is None:
+            q = self._linear(x, L["wq"], L["bq"])
+            k = self._linear(x, L["wk"], L["bk"])
+            v = self._linear(x, L["wv"], L["bv"])
+        else:
+            q, k, v = self._q4[li]["qkv"](x, (L["bq"], L["bk"], L["bv"]), dt)
+        q = q.reshape(n_tok, nh, hd)
+        k = k.reshape(n_tok, nkv, hd)
+        v = v.reshape(n_tok, nkv, hd)
+        if c.qk_norm:
+            q = _rms_norm(q, L["qn"], c.rms_norm_eps, dt)
+            k = _rms_norm(k, L["kn"], c.rms_norm_eps, dt)
+        if c.uses_rope(li):
             q = apply_rope(q.astype(_ACC), cos, sin).astype(dt)
             k = apply_rope(k.astype(_ACC), cos, sin).astype(dt)
-            attn = np.empty((n_tok, nh, hd), dtype=dt)
-            for s, cache, start, n in zip(bounds[:-1], caches, starts, lens):
-                cache.write(li, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
-                total = start + n
-                keys = cache.keys[li][:, :total].astype(_ACC)  # [nkv, S, hd]
-                vals = cache.values[li][:, :total].astype(_ACC)
-                qs = q[s : s + n].astype(_ACC).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
-                scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
-                # causal: query t (position start+t) sees keys 0 .. start+t
-                mask = np.arange(total)[None, :] > (start + np.arange(n))[:, None]
-                scores = np.where(mask, -np.inf, scores)
-                probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-                probs /= probs.sum(axis=-1, keepdims=True)
-                probs = probs.astype(dt).astype(_ACC)  # HF rounds the probabilities to the model dtype
-                out = probs @ vals[:, None]  # [nkv, G, n, hd]
-                attn[s : s + n] = out.transpose(2, 0, 1, 3).reshape(n, nh, hd)
-            if self._q4 is None:
-                o = self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])
-            else:
-                (o,) = self._q4[li]["o"](attn.reshape(n_tok, nh * hd), (L["bo"],), dt)
-            h = (h.astype(_ACC) + o).astype(dt)
-            x = _rms_norm(h, L["ln2"], eps, dt)
-            if self._q4 is None:
-                g = self._linear(x, L["wg"], L["bg"])
-                u = self._linear(x, L["wu"], L["bu"])
-            else:
-                g, u = self._q4[li]["gate_up"](x, (L["bg"], L["bu"]), dt)
-            g, u = g.astype(_ACC), u.astype(_ACC)
-            mlp = (_silu(g).astype(dt).astype(_ACC) * u).astype(dt)
-            if self._q4 is None:
-                d = self._linear(mlp, L["wd"], L["bd"])
-            else:
-                (d,) = self._q4[li]["down"](mlp, (L["bd"],), dt)
-            h = (h.astype(_ACC) + d).astype(dt)
-        h = _rms_norm(h, self._final_norm, eps, dt)
-        logits = (h.astype(_ACC) @ self._lm_head.T).astype(dt).astype(np.float32)
-        for cache, n in zip(caches, lens):
-            cache.advance(n)
-        return [logits[s : s + n] for s, n in zip(bounds[:-1], lens)]
+        window = c.sliding_window if c.is_sliding(li) else None
+        scale = c.attention_scale
+        attn = np.empty((n_tok, nh, hd), dtype=dt)
+        for s, cache, start, n in segments:
+            cache.write(li, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
+            total = start + n
+            keys = cache.keys[li][:, :total].astype(_ACC)  # [nkv, S, hd]
+            vals = cache.values[li][:, :total].astype(_ACC)
+            qs = q[s : s + n].astype(_ACC).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
+            scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
+            scores = np.where(_attention_mask(start, n, window), -np.inf, scores)
+            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            probs /= probs.sum(axis=-1, keepdims=True)
+            probs = probs.astype(dt).astype(_ACC)  # HF rounds the probabilities to the model dtype
+            out = probs @ vals[:, None]  # [nkv, G, n, hd]
+            attn[s : s + n] = out.transpose(2, 0, 1, 3).reshape(n, nh, hd)
+        if self._q4 is None:
+            return self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])
+        (o,) = self._q4[li]["o"](attn.reshape(n_tok, nh * hd), (L["bo"],), dt)
+        return o
+
+    def _mlp(self, li: int, L: Mapping[str, np.ndarray | None], x: np.ndarray) -> np.ndarray:
+        """SwiGLU MLP of layer ``li``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+        dt = self.dtype
+        if self._q4 is None:
+            g = self._linear(x, L["wg"], L["bg"])
+            u = self._linear(x, L["wu"], L["bu"])
+        else:
+            g, u = self._q4[li]["gate_up"](x, (L["bg"], L["bu"]), dt)
+        g, u = g.astype(_ACC), u.astype(_ACC)
+        mlp = (_silu(g).astype(dt).astype(_ACC) * u).astype(dt)
+        if self._q4 is None:
+            return self._linear(mlp, L["wd"], L["bd"])
+        (d,) = self._q4[li]["down"](mlp, (L["bd"],), dt)
+        return d
+
+
+def _attention_mask(start: int, n: int, window: int | None) -> np.ndarray:
+    """``[n, start + n]`` booleans, true where query ``t`` (position ``start + t``) must not see key ``j``.
+
+    Causal: keys after the query are hidden. With a ``window`` (tokens, >= 1), keys at
+    positions ``<= start + t - window`` are hidden too, so each query sees at most ``window``
+    keys, itself included (transformers' ``kv_idx > q_idx - sliding_window``).
+    """
+    q_pos = start + np.arange(n)[:, None]
+    k_pos = np.arange(start + n)[None, :]
+    hidden = k_pos > q_pos
+    if window is not None:
+        hidden |= k_pos <= q_pos - window
+    return hidden

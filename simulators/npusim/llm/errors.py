@@ -9,8 +9,9 @@ class UnsupportedModelError(ValueError):
     """A model config asks for something the golden decoder does not implement.
 
     Raised for an unknown ``model_type``, a RoPE type other than ``default``, ``linear``,
-    ``dynamic`` or ``llama3``, sliding-window attention, an activation other than SiLU, or a
-    partial rotary factor other than 1. The message names the offending value and what is
+    ``dynamic`` or ``llama3``, sliding-window attention outside EXAONE 4's ``layer_types``
+    (e.g. Qwen2's ``use_sliding_window``), an unknown layer type, an activation other than SiLU,
+    or a partial rotary factor other than 1. The message names the offending value and what is
     supported.
     """
 

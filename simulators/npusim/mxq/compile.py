@@ -73,6 +73,23 @@ def _compiled_modes(core_mode: str, k: int) -> list[str]:
 BATCH_MAX_WIDTH = 128
 
 
+def _write_hub_proxy(out: Path, model_type: str, architecture: str) -> dict[str, str]:
+    """Write ``proxy_<family>.py`` and return the ``auto_map`` naming its two classes."""
+    family = model_type.removeprefix("mobilint-")
+    config_cls = architecture.removesuffix("ForCausalLM") + "Config"
+    module = f"proxy_{family}"
+    (out / f"{module}.py").write_text(
+        f'''"""Remote-code entry of this artifact (written by npu-harness mxq compile --hub-proxy): the
+Mobilint classes of transformers-mblt, under the names config.json's auto_map gives."""
+
+from transformers_mblt.models.{family}.configuration_{family} import {config_cls}
+from transformers_mblt.models.{family}.modeling_{family} import {architecture}
+
+__all__ = ["{config_cls}", "{architecture}"]
+''', encoding="utf-8")
+    return {"AutoConfig": f"{module}.{config_cls}", "AutoModelForCausalLM": f"{module}.{architecture}"}
+
+
 def compile_artifact(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -84,6 +101,7 @@ def compile_artifact(
     prefill_chunk_size: int | Mapping[str, int] = 128,
     output_logits: str = "last",
     memory_flexible: bool = True,
+    hub_proxy: bool = False,
 ) -> Path:
     """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
 
@@ -105,6 +123,10 @@ def compile_artifact(
         memory_flexible: whether the MXQ may share an explicitly named core with other
             memory-flexible models (the current compiler's default). False stands for an MXQ of an
             older compiler, whose second launch on a taken core raises ``Acc_CoreAlreadyInUse``.
+        hub_proxy: also write the Hub releases' remote-code entry: ``auto_map`` in config.json
+            and ``proxy_<family>.py`` re-exporting transformers-mblt's classes, so
+            ``--trust-remote-code`` resolves the Mobilint model type in an environment that has
+            transformers-mblt but no plugin registering it (vllm-mblt on vLLM 0.11.2).
 
     Returns:
         ``Path(out_dir)``.
@@ -163,6 +185,8 @@ def compile_artifact(
         core_mode=core_mode, target_device="aries", dev_no=0, max_position_embeddings=max_pos,
         tie_word_embeddings=False, _name_or_path=str(src),
     )
+    if hub_proxy:
+        config["auto_map"] = _write_hub_proxy(out, *RELEASE_TYPES[arch])
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
     for name in COPIED_FILES:
         if (src / name).is_file():

@@ -1,4 +1,5 @@
-"""Tiny random-weight Llama / Qwen2 / Qwen3 checkpoints with a locally trained tokenizer.
+"""Tiny random-weight Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X checkpoints with a locally
+trained tokenizer.
 
 ``build(arch, out_dir, seed=0, **config_overrides)`` writes a complete Hugging Face model
 directory without network access; see :mod:`npusim.tinymodel.build`.
@@ -6,6 +7,8 @@ directory without network access; see :mod:`npusim.tinymodel.build`.
 
 from __future__ import annotations
 
-from .build import ARCHES, CHAT_TEMPLATE, SPECIAL_TOKENS, build, make_config, make_weights, train_tokenizer
+from .build import (ARCHES, CHAT_TEMPLATE, SPECIAL_TOKENS, build, exaone4_layer_types, make_config, make_weights,
+                    train_tokenizer)
 
-__all__ = ["ARCHES", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build", "make_config", "make_weights", "train_tokenizer"]
+__all__ = ["ARCHES", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build", "exaone4_layer_types", "make_config", "make_weights",
+           "train_tokenizer"]

@@ -1,5 +1,7 @@
 """Build tiny random-weight Hugging Face checkpoints locally (no network).
 
+Architectures: :data:`ARCHES` (llama, qwen2, qwen3, exaone4, hyperclovax).
+
 A built directory holds ``config.json`` and ``generation_config.json`` (transformers 5.19
 format), ``model.safetensors`` (float32, HF tensor names, written with numpy), and a byte-level
 BPE tokenizer trained on :file:`corpus.txt` (``tokenizer.json``, ``tokenizer_config.json`` with
@@ -35,12 +37,19 @@ __all__ = [
     "EOS_TOKEN",
     "SPECIAL_TOKENS",
     "build",
+    "exaone4_layer_types",
     "make_config",
     "make_weights",
     "train_tokenizer",
 ]
 
-ARCHES = ("llama", "qwen2", "qwen3")
+ARCHES = ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax")
+
+#: exaone4's attention pattern ("L" sliding, "G" global), repeated over the layers; the last
+#: layer is always global (as the pattern's documentation in transformers says).
+EXAONE4_PATTERN = "LLLG"
+#: exaone4's sliding window in tokens: small, so a 64-token prompt and decoding cross it.
+EXAONE4_SLIDING_WINDOW = 8
 
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<|begin_of_text|>"
@@ -112,6 +121,31 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": True,
         "use_sliding_window": False,
     },
+    # EXAONE 4.0 hybrid attention: 3 sliding-window (RoPE) layers, then a global (NoPE) one
+    "exaone4": {
+        "architectures": ["Exaone4ForCausalLM"],
+        "model_type": "exaone4",
+        "num_hidden_layers": 4,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "sliding_window": EXAONE4_SLIDING_WINDOW,
+        "sliding_window_pattern": EXAONE4_PATTERN,
+        "tie_word_embeddings": False,
+    },
+    # HyperCLOVA X: every MuP factor away from 1 (and the attention scale away from
+    # head_dim ** -0.5), Peri-LN output norms on
+    "hyperclovax": {
+        "architectures": ["HyperCLOVAXForCausalLM"],
+        "model_type": "hyperclovax",
+        "attention_bias": False,
+        "attention_multiplier": 0.125,
+        "embedding_multiplier": 1.5,
+        "logits_scaling": 0.75,
+        "mlp_bias": False,
+        "residual_multiplier": 1.25,
+        "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+        "tie_word_embeddings": False,
+        "use_post_norm": True,
+    },
 }
 
 
@@ -153,8 +187,9 @@ def make_config(arch: str, vocab_size: int = TARGET_VOCAB_SIZE, **overrides: Any
     """The ``config.json`` dict of a tiny model (transformers 5.19 format).
 
     ``overrides`` are merged at the top level. A ``rope_parameters`` override without
-    ``rope_theta`` gets the arch's default theta. For qwen2/qwen3, ``layer_types`` follows
-    ``num_hidden_layers`` unless overridden.
+    ``rope_theta`` gets the arch's default theta. Unless overridden, ``layer_types`` follows
+    ``num_hidden_layers``: all ``full_attention`` for qwen2/qwen3, :func:`exaone4_layer_types`
+    for exaone4 (llama and hyperclovax configs have no such key).
 
     Raises:
         ValueError: unknown ``arch`` (names it and the choices).
@@ -172,9 +207,28 @@ def make_config(arch: str, vocab_size: int = TARGET_VOCAB_SIZE, **overrides: Any
     rp = cfg.get("rope_parameters")
     if isinstance(rp, dict) and "rope_theta" not in rp and "rope_theta" not in overrides:
         rp["rope_theta"] = default_theta
-    if arch != "llama" and "layer_types" not in overrides:
-        cfg["layer_types"] = ["full_attention"] * int(cfg["num_hidden_layers"])
+    if "layer_types" not in overrides:
+        n_layers = int(cfg["num_hidden_layers"])
+        if arch in ("qwen2", "qwen3"):
+            cfg["layer_types"] = ["full_attention"] * n_layers
+        elif arch == "exaone4":
+            cfg["layer_types"] = exaone4_layer_types(n_layers)
     return dict(sorted(cfg.items()))
+
+
+def exaone4_layer_types(num_layers: int, pattern: str = EXAONE4_PATTERN) -> list[str]:
+    """``layer_types`` of ``num_layers`` layers: ``pattern`` ("L" sliding, "G" full attention)
+    repeated from layer 0, the last layer always ``full_attention``.
+
+    Raises:
+        ValueError: ``num_layers < 1``, or ``pattern`` is empty or has a letter other than L/G.
+    """
+    if num_layers < 1 or not pattern or set(pattern) - {"L", "G"}:
+        raise ValueError(f"need num_layers >= 1 and a pattern of 'L'/'G', got {num_layers!r}, {pattern!r}")
+    kinds = {"L": "sliding_attention", "G": "full_attention"}
+    types = [kinds[pattern[i % len(pattern)]] for i in range(num_layers)]
+    types[-1] = "full_attention"
+    return types
 
 
 def make_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
@@ -188,7 +242,7 @@ def make_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             w = rng.normal(0.0, std, shape)
         elif name == "lm_head.weight":
             w = rng.normal(0.0, 3.0 / np.sqrt(hidden), shape)
-        elif name.endswith("norm.weight"):
+        elif len(shape) == 1 and name.endswith(".weight"):  # the only 1-D weights are RMSNorm scales
             w = 1.0 + rng.normal(0.0, 0.05, shape)
         elif name.endswith(".bias"):
             w = rng.normal(0.0, 0.1, shape)
@@ -208,15 +262,18 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
 
     Args:
         arch: ``"llama"`` (untied LM head, rope_theta 1e4), ``"qwen2"`` (tied, q/k/v biases,
-            rope_theta 1e6) or ``"qwen3"`` (tied, q/k norms, rope_theta 1e6).
+            rope_theta 1e6), ``"qwen3"`` (tied, q/k norms, rope_theta 1e6), ``"exaone4"``
+            (untied, 4 layers: sliding-window 8 / sliding / sliding / global NoPE, q/k norms,
+            post-sub-layer norms, rope_theta 1e6) or ``"hyperclovax"`` (untied, Peri-LN,
+            embedding x1.5, residual x1.25, attention scale 0.125, logits x0.75, rope_theta 1e4).
         out_dir: destination directory (created if missing; our files are overwritten).
         seed: weight seed. Same arguments -> byte-identical files.
         **config_overrides: keys merged into ``config.json`` (e.g. ``num_hidden_layers=1``,
             ``max_position_embeddings=32``, ``rope_parameters={...}``); weights follow the
             resulting sizes.
 
-    Defaults: hidden 128, 4 heads, 2 KV heads, head_dim 32, intermediate 256, 2 layers,
-    vocab 1024 (the tokenizer's size), max_position_embeddings 1024; about 2 MB.
+    Defaults: hidden 128, 4 heads, 2 KV heads, head_dim 32, intermediate 256, 2 layers (exaone4:
+    4), vocab 1024 (the tokenizer's size), max_position_embeddings 1024; about 2 MB (exaone4 3.4 MB).
 
     Returns:
         ``Path(out_dir)``.

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Build a separate environment with Mobilint's own vLLM plugin stack on the npusim.mxq simulator:
+# vLLM 0.11.2 (the version vllm-mblt 0.8.0 pins; a CUDA wheel: no CPU build of its torch 2.9.0
+# exists, and it imports and runs on a CPU-only host), vllm-mblt 0.8.0, transformers-mblt 0.6.1,
+# mblt-npu-python 0.1.0 and mblt-model-zoo 2.13.0 (vllm-mblt imports mblt_model_zoo.hf_transformers,
+# a facade over transformers-mblt), all unpatched; `import qbruntime` -> npusim.mxq through the alias.
+# The project's own plugin is NOT installed there (its platform entry point is also named `mblt`).
+#
+# usage: tools/vllm-mblt-env/build.sh DIR      (~11 GB, ~8 min on 2 cores; needs PyPI)
+# then:  NPU_HARNESS_VLLM_MBLT_ENV=DIR ./dev test tests/vllm_npu/test_vllm_mblt_vendor.py
+set -euo pipefail
+[[ $# -eq 1 ]] || { echo "usage: $0 DIR" >&2; exit 2; }
+ENV=$1
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+PY=${PYTHON:-python3.11}
+"$PY" -m venv "$ENV"
+PIP=("$ENV/bin/python" -m pip --disable-pip-version-check -q)
+"${PIP[@]}" install "vllm==0.11.2"
+"${PIP[@]}" install --no-deps vllm-mblt==0.8.0 transformers-mblt==0.6.1 mblt-npu-python==0.1.0 mblt-model-zoo==2.13.0
+SP=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$ROOT/simulators" > "$SP/00_npusim_path.pth"   # sorts before the alias hook
+PYTHONPATH="$ROOT/simulators" "$ENV/bin/python" -c 'from npusim.alias import pth_line; print(pth_line())' > "$SP/npu_harness_alias.pth"
+NPU_HARNESS_TARGET=mblt-sim "$ENV/bin/python" -c 'import qbruntime; assert qbruntime.__name__ == "npusim.mxq", qbruntime; print("qbruntime ->", qbruntime.__name__)'
