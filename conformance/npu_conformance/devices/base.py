@@ -9,6 +9,7 @@ A device module (``devices/<device>.py``) subclasses :class:`DeviceLab` and supp
   hardware (scenarios then compare with the same request sent alone);
 - :attr:`DeviceLab.refusals`: the request parameters its plugin refuses (each must be a 400
   naming the parameter, streamed or not);
+- :attr:`DeviceLab.serves_prompt_logprobs`: whether it scores prompt positions, or refuses them;
 - :meth:`DeviceLab.fault`: how to start a server with an injected device fault, or
   :class:`FaultsUnsupported` with the reason.
 
@@ -126,6 +127,9 @@ class DeviceLab:
     max_model_len: ClassVar[int] = 1024
     #: The parameters this device's plugin refuses (HTTP 400 naming each).
     refusals: ClassVar[tuple[Refusal, ...]] = ()
+    #: Whether its plugin scores prompt positions (``prompt_logprobs``, ``echo`` with
+    #: ``logprobs``); when False, :data:`PROMPT_LOGPROBS_REFUSALS` must be among :attr:`refusals`.
+    serves_prompt_logprobs: ClassVar[bool] = False
     #: Injectable faults, by kind: ``once`` (a one-off infer failure, retried invisibly) and
     #: ``persistent`` (every infer fails: requests in flight must get errors).
     FAULT_KINDS: ClassVar[tuple[str, ...]] = ("once", "persistent")

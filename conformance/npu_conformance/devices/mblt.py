@@ -77,6 +77,7 @@ class MbltLab(DeviceLab):
     #: What ``MbltPlatform.validate_request`` refuses (``vllm_npu.mblt.platform``). ``min_p``
     #: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
     refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
+    serves_prompt_logprobs: ClassVar[bool] = True  # one infer per chunk, or the seed's 1-token microsteps
 
     @property
     def trace_dir(self) -> Path:

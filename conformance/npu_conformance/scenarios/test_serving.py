@@ -23,6 +23,12 @@ with the same request sent alone.
   expected 4xx whose message names the rule, never a 5xx, a ``200`` or a hang, and the server
   must stay healthy after each. Then the same greedy request gives the same tokens as before.
   Figures: cases tried and answered correctly.
+* ``prompt_logprobs``: lm-eval's loglikelihood request (``echo`` with ``logprobs``) and
+  ``prompt_logprobs``. A target whose lab serves them scores every prompt position: equal to the
+  golden decoder's log-softmax within :data:`PROMPT_LOGPROBS_TOLERANCE` on a simulator, equal to
+  the same request sent alone on hardware, also with greedy requests running beside; the others
+  refuse both with a 400 naming ``prompt_logprobs``. Figures: positions compared, or requests
+  refused.
 * ``fault_once_retried``: a one-off injected device fault is retried invisibly: concurrent
   requests all equal the golden decoder, and the server log shows the fault struck.
 * ``fault_persistent_fails_in_flight``: a persistent device fault gives every request in
@@ -45,7 +51,7 @@ import pytest
 
 from npu_conformance import devices
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import DeviceLab, FaultsUnsupported
+from npu_conformance.devices.base import PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultsUnsupported
 
 pytestmark = pytest.mark.scenario(devices=devices.SERVING_DEVICES)
 
@@ -68,6 +74,9 @@ LOAD_TIMEOUT_S = 900.0
 #: Seconds a hostile request may take before it counts as a hang.
 HOSTILE_TIMEOUT_S = 60.0
 FAULT_REQUESTS = 4
+#: Nats: prompt logprobs against the golden decoder's log-softmax (float32 logits, two softmaxes).
+PROMPT_LOGPROBS_TOLERANCE = 2e-4
+PROMPT_LOGPROBS_REQUESTS = 4
 #: Long enough that no request can finish before the persistent fault strikes at the 10th infer.
 FAULT_TOKENS = 200
 
@@ -382,6 +391,60 @@ def test_hostile_input(target, record, device_labs):
     record.figure("hostile_answered_correctly", len(attempts) - len(wrong))
     assert not wrong, f"{len(wrong)} of {len(attempts)} hostile requests mishandled:\n" + "\n".join(wrong)
     assert _completion(server, probe) == before, "the same greedy request answers differently after hostile input"
+
+
+# ----------------------------------------------------------------------------- prompt logprobs
+
+
+def _echo_logprobs(server: vs.Server, prompt: list[int]) -> list[float | None]:
+    """The ``token_logprobs`` of the prompt positions of an ``echo`` + ``logprobs=1`` completion
+    (lm-eval's loglikelihood request; position 0 has none)."""
+    body = _ok(server.request("POST", "/v1/completions",
+                              dict(_greedy_body(server, 1, prompt=prompt), echo=True, logprobs=1)))
+    logprobs = body["choices"][0]["logprobs"]["token_logprobs"]
+    assert len(logprobs) == len(prompt) + 1, f"{len(logprobs)} logprobs for {len(prompt)} prompt tokens + 1"
+    return logprobs[: len(prompt)]
+
+
+def _golden_prompt_logprobs(lab: DeviceLab, prompt: list[int]) -> list[float] | None:
+    """log P(prompt[i] | prompt[:i]) for i >= 1 from the golden decoder; None on hardware."""
+    golden = lab.golden()
+    if golden is None:
+        return None
+    logits = np.asarray(golden.prefill(prompt, golden.new_cache(len(prompt))), dtype=np.float64)
+    logz = np.log(np.exp(logits - logits.max(axis=-1, keepdims=True)).sum(axis=-1)) + logits.max(axis=-1)
+    return [float(logits[i - 1, prompt[i]] - logz[i - 1]) for i in range(1, len(prompt))]
+
+
+def test_prompt_logprobs(target, record, device_labs):
+    lab = _lab(device_labs, target)
+    server = lab.serving_server()
+    if not lab.serves_prompt_logprobs:
+        missing = [r for r in PROMPT_LOGPROBS_REFUSALS if r not in lab.refusals]
+        assert not missing, f"{lab.device} neither serves nor lists the refusal of {missing}"
+        for refusal in PROMPT_LOGPROBS_REFUSALS:
+            status, message = _send(server, "completions", _body(refusal.body, server, lab, "completions"),
+                                    "application/json")
+            assert status == 400 and "prompt_logprobs" in message, (refusal, status, message)
+        record.figure("prompt_logprobs_refused", len(PROMPT_LOGPROBS_REFUSALS))
+        return
+    prompts = _prompts(PROMPT_LOGPROBS_REQUESTS, 20, seed=55)
+    beside = _prompts(PROMPT_LOGPROBS_REQUESTS, 30, seed=56)
+    with cf.ThreadPoolExecutor(2 * PROMPT_LOGPROBS_REQUESTS) as ex:  # echo and greedy requests together
+        echoes = [ex.submit(_echo_logprobs, server, p) for p in prompts]
+        greedy = [ex.submit(_completion, server, p) for p in beside]
+        got, answers = [f.result() for f in echoes], [f.result() for f in greedy]
+    _check_greedy(lab, answers, record)
+    compared = 0
+    for prompt, logprobs in zip(prompts, got):
+        assert logprobs[0] is None and all(isinstance(x, float) for x in logprobs[1:]), logprobs
+        want = _golden_prompt_logprobs(lab, prompt)
+        if want is None:  # hardware: the same request alone
+            want = _echo_logprobs(server, prompt)[1:]
+        worst = max(abs(a - b) for a, b in zip(logprobs[1:], want))
+        assert worst <= PROMPT_LOGPROBS_TOLERANCE, f"prompt {prompt[:6]}...: |logprob - reference| = {worst:.2e}"
+        compared += len(want)
+    record.figure("prompt_positions_compared", compared)
 
 
 # ----------------------------------------------------------------------------- faults
