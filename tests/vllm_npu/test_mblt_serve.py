@@ -518,6 +518,63 @@ def test_logprobs_minus_one_is_the_full_vocabulary(client, server, golden, golde
     _assert_healthy(client, server, golden)
 
 
+# ----------------------------------------------------------------------------- lm-eval as the client
+
+LM_EVAL_TASK_DIR = Path(__file__).with_name("lm_eval_tiny")
+
+
+def _lm_eval_reference(tokenizer, golden_log_softmax, doc: dict) -> list[float]:
+    """Per choice, the summed logprob of ``" " + choice`` after ``context``, tokenized as lm-eval
+    does for a causal API model (no special tokens; continuation = whole[len(context):])."""
+    sums = []
+    for choice in doc["choices"]:
+        ctx = tokenizer(doc["context"], add_special_tokens=False).input_ids
+        whole = tokenizer(doc["context"] + " " + choice, add_special_tokens=False).input_ids
+        lsm = golden_log_softmax(whole)
+        sums.append(float(sum(lsm[i - 1, whole[i]] for i in range(len(ctx), len(whole)))))
+    return sums
+
+
+def test_lm_eval_local_completions_scores_equal_the_golden_decoder(server, artifacts, tokenizer, golden_log_softmax,
+                                                                   tmp_path):
+    """lm-evaluation-harness (pinned) with its ``local-completions`` model against this server: a
+    24-item multiple-choice loglikelihood task from local files (``lm_eval_tiny/``). Every
+    choice's loglikelihood equals the golden decoder's within 24 x LOGPROB_ATOL, and ``acc``
+    equals the golden decoder's accuracy exactly."""
+    import subprocess
+    import sys
+
+    data = LM_EVAL_TASK_DIR / "tiny_choice.jsonl"
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "tiny_choice.yaml").write_text(
+        (LM_EVAL_TASK_DIR / "tiny_choice.yaml.in").read_text(encoding="utf-8").replace("DATA_FILE", str(data)),
+        encoding="utf-8")
+    out = tmp_path / "out"
+    model_args = ",".join([f"model={server.model}", f"base_url={server.base}/v1/completions",
+                           "tokenizer_backend=huggingface", f"tokenizer={artifacts['main']}",
+                           "tokenized_requests=True", "num_concurrent=4", "max_retries=1"])
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"))
+    done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
+                           "--tasks", "tiny_choice", "--include_path", str(tasks), "--output_path", str(out),
+                           "--log_samples"], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    [results] = list(out.rglob("results_*.json"))
+    [samples] = list(out.rglob("samples_tiny_choice_*.jsonl"))
+    acc = json.loads(results.read_text())["results"]["tiny_choice"]["acc,none"]
+    docs = [json.loads(line) for line in data.read_text(encoding="utf-8").splitlines()]
+    rows = {r["doc_id"]: r for r in map(json.loads, samples.read_text(encoding="utf-8").splitlines())}
+    assert sorted(rows) == list(range(len(docs)))
+    correct = 0
+    for i, doc in enumerate(docs):
+        want = _lm_eval_reference(tokenizer, golden_log_softmax, doc)
+        got = [float(r[0][0]) for r in rows[i]["resps"]]
+        assert len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want)) <= 24 * LOGPROB_ATOL, (i, got, want)
+        correct += int(max(range(len(want)), key=want.__getitem__) == doc["gold"])
+    assert acc == correct / len(docs)
+
+
 # ----------------------------------------------------------------------------- penalties switch
 
 
