@@ -47,7 +47,7 @@ def artifact_config(vllm_config: Any) -> dict[str, Any]:
     return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
-def _clamp_max_model_len(vllm_config: Any, overrides: Any) -> None:
+def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: Any) -> None:
     """Without ``--max-model-len``, clamp vLLM's ``max_model_len`` (the artifact's declared
     ``max_position_embeddings``) to the MXQ's KV capacity, with a log line, as vllm-mblt does for
     its releases whose config declares more than their MXQs hold. An explicit over-capacity value
@@ -60,7 +60,7 @@ def _clamp_max_model_len(vllm_config: Any, overrides: Any) -> None:
 
     model_config = vllm_config.model_config
     target = selected_target()
-    path = settings.mxq_path_of(model_config.model, artifact_config(vllm_config), overrides)
+    path = settings.mxq_path_of(model_config.model, artifact, overrides)
     if target not in ("mblt-sim", "mblt-hw") or path is None or not os.path.isfile(path):
         return
     try:
@@ -111,10 +111,11 @@ class MbltPlatform(NpuPlatform):
         user = engine_args.captured() or {"max_num_seqs": sched.max_num_seqs,
                                           "max_num_batched_tokens": sched.max_num_batched_tokens,
                                           "max_model_len": vllm_config.model_config.max_model_len}
+        artifact = artifact_config(vllm_config)
         if user["max_model_len"] is None:
-            _clamp_max_model_len(vllm_config, overrides)
+            _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
-            artifact_config(vllm_config),
+            artifact,
             overrides,
             user_max_num_seqs=user["max_num_seqs"],
             user_max_num_batched_tokens=user["max_num_batched_tokens"],

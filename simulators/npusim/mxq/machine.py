@@ -34,11 +34,12 @@ Clock: every card has a device clock in µs (float), starting at 0. An infer adv
 timestamps are read from this clock.
 
 Cores: an Aries card has 2 clusters x 4 cores. A launched model holds its cores until
-``dispose``. Several models may hold one core when each of them was named that core (or its
-cluster) explicitly and every one of them is memory-flexible (the MXQ header's
+``dispose``. Several models may hold one core when each of them was named that core explicitly
+(single-core mode with core ids) and every one of them is memory-flexible (the MXQ header's
 ``memory_flexible``, true unless compiled otherwise): they share it in time, on the card's one
-clock. A core the runtime picks itself is always a free one. A memory-fixed MXQ never shares:
-the real core's text for that case is :data:`MEMORY_AREA_IN_USE`. Memory: a launch uploads ``weights + K * kv_bytes_per_cache_id`` bytes.
+clock. Cores the runtime picks itself, and the clusters of the cluster modes, are always free
+ones. A memory-fixed MXQ never shares: the real core's text for that case is
+:data:`MEMORY_AREA_IN_USE`. Memory: a launch uploads ``weights + K * kv_bytes_per_cache_id`` bytes.
 """
 
 from __future__ import annotations
@@ -294,9 +295,9 @@ def allocate_cores(dev: Device, owner: int, candidates: Iterable[list[CoreId]], 
         dev: the card.
         owner: the launching model's identifier.
         candidates: core groups in order of preference.
-        shared: the groups were named explicitly (cores, or clusters): a core held by other
-            models is taken too, when they and ``owner`` are all memory-flexible. Otherwise only
-            a group of free cores is taken.
+        shared: the group is the explicitly named cores of a single-core model: a core held by
+            other models is taken too, when they and ``owner`` are all memory-flexible.
+            Otherwise only a group of free cores is taken.
         memory_flexible: whether ``owner``'s MXQ is memory-flexible.
 
     Raises:
