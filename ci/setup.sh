@@ -16,7 +16,7 @@ STAMP="$VENV/.npu-harness-setup"
 say() { printf '[setup] %s\n' "$*"; }
 
 inputs_hash() {
-  { cat ci/setup.sh ci/apt-packages.txt requirements/lock.txt requirements/vendor-nodeps.txt pyproject.toml \
+  { cat ci/setup.sh ci/pick-cc.sh ci/apt-packages.txt requirements/lock.txt requirements/vendor-nodeps.txt pyproject.toml \
         tools/vllm-dist-metadata/pyproject.toml
     find kernels/ime2 -type f -not -path 'kernels/ime2/build/*' | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
@@ -74,8 +74,11 @@ say "installing npu-harness (editable) and the vllm distribution record"
 quiet "${PIP[@]}" install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
 say "installing the vendor-name alias hook (NPU_HARNESS_TARGET=rbln-sim: import rebel -> npusim.rbln)"
 "$VENV/bin/npu-harness" alias install --env "$VENV" >/dev/null
-say "building the IME2 kernel (kernels/ime2 -> plugins/vllm_npu/ime2/_build)"
-make -s -C kernels/ime2 OUT="$ROOT/plugins/vllm_npu/ime2/_build"
+# The host compiler: ${CC:-cc} on x86-64; on riscv64 (the K3 board, whose build holds the IME2
+# path) clang >= 19 from PATH, or a clear error naming the apt package (ci/pick-cc.sh).
+HOST_CC=$(bash ci/pick-cc.sh) || exit 1
+say "building the IME2 kernel with $HOST_CC (kernels/ime2 -> plugins/vllm_npu/ime2/_build)"
+make -s -C kernels/ime2 CC="$HOST_CC" OUT="$ROOT/plugins/vllm_npu/ime2/_build"
 say "building the riscv64 IME2 test driver (kernels/ime2 -> plugins/vllm_npu/ime2/_build/riscv64)"
 make -s -C kernels/ime2 riscv64 OUT="$ROOT/plugins/vllm_npu/ime2/_build/riscv64"
 

@@ -27,6 +27,8 @@ BUILD_COMMAND = "make -C kernels/ime2 riscv64 OUT=plugins/vllm_npu/ime2/_build/r
 DRIVER_ENV = "NPU_IME2_QEMU_DRIVER"
 #: VLENs QEMU 7.2 accepts (bits).
 VLENS = (128, 256, 512, 1024)
+#: Driver flag opting in to the RVV/portable fallback of AUTO (npu_ime2_set_allow_fallback(1)).
+ALLOW_FALLBACK_FLAG = "--allow-fallback"
 #: GEMM paths of the C ABI; ``hp_gemm`` is the whole op (npu_ime2_hp_gemm, AUTO path).
 PATHS = {"hp_gemm": -1, "auto": 0, "portable": 1, "rvv": 2, "ime2": 3, "x86": 4}
 #: npu_ime2_status codes.
@@ -155,8 +157,11 @@ def decode_response(out: bytes) -> tuple[int, int, bool, str, np.ndarray | None]
 
 
 def run(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: int, path: str = "portable",
-        timeout: float = 60.0) -> DriverResult:
+        timeout: float = 60.0, allow_fallback: bool = False) -> DriverResult:
     """Run the driver once under QEMU at ``vlen`` bits; never raises for a kernel status.
+
+    ``allow_fallback``: pass ``--allow-fallback`` (AUTO and ``hp_gemm`` then run RVV below VLEN
+    1024 instead of returning WRONG_VLEN; the kernel's default is to refuse).
 
     Raises:
         QemuDriverNotFound, QemuDriverTimeout, GuardCorruption, QemuDriverError (crash or no
@@ -169,6 +174,8 @@ def run(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: int, pa
     if reason:
         raise QemuDriverNotFound(reason)
     cmd = [qemu_path(), "-cpu", f"rv64,v=true,Zfh=true,vlen={vlen},vext_spec=v1.0", str(driver_path())]
+    if allow_fallback:
+        cmd.append(ALLOW_FALLBACK_FLAG)
     req = encode_request(a, qweight, scales, PATHS[path])
     t0 = time.perf_counter()
     try:
@@ -186,17 +193,18 @@ def run(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: int, pa
 
 
 def run_driver(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, vlen: int, path: str = "portable",
-               timeout: float = 60.0) -> np.ndarray:
+               timeout: float = 60.0, allow_fallback: bool = False) -> np.ndarray:
     """C [M, N] float32 computed by the riscv64 kernel under QEMU at ``vlen`` bits.
 
     ``path``: ``portable`` (default), ``auto``, ``rvv``, ``ime2`` (npu_ime2_gemm with that path
-    after packing in C) or ``hp_gemm`` (the whole op, npu_ime2_hp_gemm).
+    after packing in C) or ``hp_gemm`` (the whole op, npu_ime2_hp_gemm). ``allow_fallback``: as
+    in :func:`run` (below VLEN 1024, ``auto`` and ``hp_gemm`` return WRONG_VLEN without it).
 
     Raises:
         KernelStatusError: the kernel returned a nonzero status (``.name``, e.g. ``BAD_K``).
         GuardCorruption, QemuDriverTimeout, QemuDriverNotFound, QemuDriverError: see :func:`run`.
     """
-    res = run(a, qweight, scales, vlen=vlen, path=path, timeout=timeout)
+    res = run(a, qweight, scales, vlen=vlen, path=path, timeout=timeout, allow_fallback=allow_fallback)
     if res.status != 0:
         raise KernelStatusError(res.status, res.text)
     assert res.c is not None

@@ -164,7 +164,7 @@ def test_status_strings(lib):
         assert text and text != "unknown status code"
     assert kernel.status_string(1234) == "unknown status code"
     assert "multiple of 32" in kernel.status_string(Status.BAD_K)
-    assert lib.npu_ime2_abi_version() == kernel.ABI_VERSION == 4
+    assert lib.npu_ime2_abi_version() == kernel.ABI_VERSION == 5
 
 
 # ---------------------------------------------------------------------------------------------

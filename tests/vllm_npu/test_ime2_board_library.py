@@ -5,8 +5,9 @@ that shared library must hold the RVV and IME2 paths (each with its own ``-march
 portable one. Here the same Makefile rule runs with the cross compiler standing in for the
 board's (``CC="clang-19 --target=riscv64-linux-gnu"``), and the driver, dynamically linked
 against that library, runs under ``qemu-riscv64-static`` with the cross sysroot
-(``QEMU_LD_PREFIX``): AUTO must pick IME2 at VLEN 1024 (its ``.hp`` emulated) and RVV below, and
-every path must equal the host library bit for bit.
+(``QEMU_LD_PREFIX``): AUTO must pick IME2 at VLEN 1024 (its ``.hp`` emulated), refuse below
+(WRONG_VLEN) and run RVV there only with the fallback opt-in, and every path must equal the host
+library bit for bit.
 """
 
 from __future__ import annotations
@@ -55,23 +56,45 @@ def test_board_library_holds_every_riscv64_path(board_build):
     syms = subprocess.run(["riscv64-linux-gnu-nm", "-D", "--defined-only", str(lib)], capture_output=True,
                           text=True, check=True).stdout
     for name in ("npu_ime2_gemm_rvv", "npu_ime2_gemm_ime2", "npu_ime2_ime2_usable", "npu_ime2_gemm_mt",
-                 "npu_ime2_quantize_q4_0", "npu_ime2_auto_path"):
+                 "npu_ime2_quantize_q4_0", "npu_ime2_auto_path", "npu_ime2_vlenb", "npu_ime2_set_allow_fallback",
+                 "npu_ime2_hp_gemm_on"):
         assert f" T {name}\n" in syms, f"{name} missing from the board library"
 
 
-@pytest.mark.parametrize("vlen, path", [(1024, "ime2"), (1024, "rvv"), (256, "rvv"), (128, "portable"),
-                                        (1024, "hp_gemm"), (256, "hp_gemm")])
-def test_board_library_paths_equal_the_host_library(board_build, monkeypatch, vlen, path):
+def _board_operands(vlen: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    rng = np.random.default_rng([11, vlen])
+    a = rng.standard_normal((5, 288)).astype(np.float32)
+    qweight, scales = q.quantize_q4_0(rng.standard_normal((70, 288)).astype(np.float32))
+    return a, qweight, scales
+
+
+@pytest.fixture
+def board_driver(board_build, monkeypatch) -> Path:
+    """The board-library driver installed as qemu_ime2's driver (cross sysroot, .hp counted)."""
     _, driver = board_build
     monkeypatch.setenv(qemu_ime2.DRIVER_ENV, str(driver))
     monkeypatch.setenv("QEMU_LD_PREFIX", str(SYSROOT))
     monkeypatch.setenv(qemu_ime2.EMU_ENV["count"], "1")
-    rng = np.random.default_rng([11, vlen])
-    a = rng.standard_normal((5, 288)).astype(np.float32)
-    qweight, scales = q.quantize_q4_0(rng.standard_normal((70, 288)).astype(np.float32))
-    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path, timeout=300)
+    return driver
+
+
+@pytest.mark.parametrize("vlen, path, fallback", [(1024, "ime2", False), (1024, "rvv", False), (256, "rvv", False),
+                                                  (128, "portable", False), (1024, "hp_gemm", False),
+                                                  (256, "hp_gemm", True)])
+def test_board_library_paths_equal_the_host_library(board_driver, vlen, path, fallback):
+    a, qweight, scales = _board_operands(vlen)
+    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path, timeout=300, allow_fallback=fallback)
     assert res.status == 0 and res.guards_ok, res.text
     np.testing.assert_array_equal(res.c.view(np.uint32), np.asarray(ime2_hp_gemm_cpu(a, qweight, scales)).view(np.uint32))
     emulated = qemu_ime2.emulated_count(res.stderr) or 0
     # the whole op (AUTO) runs IME2 exactly when VLEN is 1024: its .hp instructions were emulated
     assert (emulated > 0) == (path == "ime2" or (path == "hp_gemm" and vlen == 1024)), emulated
+
+
+def test_board_library_whole_op_refuses_below_vlen_1024_by_default(board_driver):
+    """On the K3 build the whole op returns WRONG_VLEN at vlenb 32 (an X100 core) unless the
+    fallback is opted in (previous test): no .hp run, no C, guards intact."""
+    a, qweight, scales = _board_operands(256)
+    res = qemu_ime2.run(a, qweight, scales, vlen=256, path="hp_gemm", timeout=300)
+    assert (res.status, res.c, res.guards_ok, res.vlenb) == (6, None, True, 32), res.text
+    assert (qemu_ime2.emulated_count(res.stderr) or 0) == 0

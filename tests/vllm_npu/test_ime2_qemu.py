@@ -6,7 +6,9 @@ VLEN 128..1024. Its output must equal the host build of the same sources and
 ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit; the driver's 4 KiB guard regions
 around C and the packed operands must come back untouched; errors come back as statuses, never
 as crashes. The RVV path (``src/gemm_rvv.c``, VLEN-agnostic intrinsics) runs the same matrix and
-must agree bit for bit too; the IME2 path is tested in ``test_ime2_qemu_ime2.py``.
+must agree bit for bit too; the IME2 path is tested in ``test_ime2_qemu_ime2.py``. Below VLEN
+1024 the whole op and AUTO return WRONG_VLEN (this build holds the IME2 path) unless the driver
+runs with ``--allow-fallback``.
 """
 
 from __future__ import annotations
@@ -54,13 +56,58 @@ def test_portable_path_is_bit_exact_at_every_vlen(vlen):
         np.testing.assert_array_equal(bits(res.c), bits(sim), err_msg=f"vs npusim at {(m, k, n)}")
 
 
-@pytest.mark.parametrize("vlen", qemu_ime2.VLENS)
-def test_whole_op_and_auto_path_match_the_host(vlen):
+BELOW_1024 = [v for v in qemu_ime2.VLENS if v != 1024]
+
+
+def test_whole_op_and_auto_path_match_the_host_at_vlen_1024():
     # Two full 32-column tiles plus a 6-column tail; K = 544: two superblocks, the second padded.
     a, qweight, scales = operands(6, 544, 70, seed=1)
     host = bits(ime2_hp_gemm_cpu(a, qweight, scales))
     for path in ("hp_gemm", "auto"):
-        np.testing.assert_array_equal(bits(qemu_ime2.run_driver(a, qweight, scales, vlen=vlen, path=path)), host)
+        np.testing.assert_array_equal(bits(qemu_ime2.run_driver(a, qweight, scales, vlen=1024, path=path)), host)
+
+
+@pytest.mark.parametrize("vlen", BELOW_1024)
+def test_whole_op_and_auto_path_refuse_below_vlen_1024_by_default(vlen):
+    """The seed: "The op reads vlenb and returns an error unless it is 128." The riscv64 build
+    holds the IME2 path (the K3 build), so AUTO and the whole op do not fall back silently."""
+    a, qweight, scales = operands(6, 544, 70, seed=1)
+    for path in ("hp_gemm", "auto"):
+        res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path)
+        assert (res.status, res.c, res.guards_ok) == (6, None, True), (path, res.text)
+        assert res.vlenb == vlen // 8 and "VLEN 1024" in res.text
+        with pytest.raises(qemu_ime2.KernelStatusError, match="WRONG_VLEN"):
+            qemu_ime2.run_driver(a, qweight, scales, vlen=vlen, path=path)
+
+
+@pytest.mark.parametrize("vlen", BELOW_1024)
+def test_whole_op_and_auto_path_fall_back_only_when_opted_in(vlen):
+    """--allow-fallback (npu_ime2_set_allow_fallback(1)): AUTO runs RVV below VLEN 1024, bit for
+    bit the host's result; explicit paths are unaffected by the flag."""
+    a, qweight, scales = operands(6, 544, 70, seed=1)
+    host = bits(ime2_hp_gemm_cpu(a, qweight, scales))
+    for path in ("hp_gemm", "auto"):
+        c = qemu_ime2.run_driver(a, qweight, scales, vlen=vlen, path=path, allow_fallback=True)
+        np.testing.assert_array_equal(bits(c), host, err_msg=path)
+    res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path="ime2", allow_fallback=True)
+    assert res.status == 6 and res.c is None  # an explicit IME2 path never falls back
+
+
+@pytest.mark.parametrize("path", ["hp_gemm", "auto"])
+def test_empty_c_still_obeys_the_vlenb_rule(path):
+    """M = 0: nothing to compute, but AUTO on this (K3) build is still refused below VLEN 1024."""
+    a, qweight, scales = operands(0, 64, 7)
+    res = qemu_ime2.run(a, qweight, scales, vlen=256, path=path)
+    assert (res.status, res.guards_ok) == (6, True), res.text
+    assert qemu_ime2.run_driver(a, qweight, scales, vlen=256, path=path, allow_fallback=True).shape == (0, 7)
+    assert qemu_ime2.run_driver(a, qweight, scales, vlen=1024, path=path).shape == (0, 7)
+
+
+def test_driver_rejects_an_unknown_option():
+    cmd = [qemu_ime2.qemu_path(), "-cpu", "rv64,v=true,Zfh=true,vlen=128,vext_spec=v1.0",
+           str(qemu_ime2.driver_path()), "--allow-fallbak"]
+    bad = subprocess.run(cmd, input=b"", capture_output=True, timeout=60, check=False)
+    assert bad.returncode == 2 and b"usage: npu_ime2_driver [--allow-fallback]" in bad.stderr
 
 
 def test_vlenb_is_what_qemu_was_asked_for():

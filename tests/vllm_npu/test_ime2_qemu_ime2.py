@@ -11,7 +11,8 @@ the semantics of ``npusim.q4x32.execute_hp``. Checked here:
 * the IME2 GEMM path at VLEN 1024 bit for bit against the host build's portable path and
   ``npusim.q4x32`` hardware level, guards intact, the expected number of .hp instructions run;
 * below VLEN 1024 the path returns WRONG_VLEN (no crash, no .hp executed, guards intact);
-* the whole op (AUTO) at VLEN 1024 runs the IME2 path and equals the model;
+* the whole op (AUTO) at VLEN 1024 runs the IME2 path and equals the model; below VLEN 1024 it
+  returns WRONG_VLEN too, unless the driver runs with ``--allow-fallback`` (then RVV);
 * build flags: only the IME2 kernel object carries zvl1024b.
 """
 
@@ -258,6 +259,35 @@ def test_whole_op_at_vlen_1024_runs_ime2_and_equals_the_model(path, monkeypatch)
     assert res.status == 0 and res.guards_ok, res.text
     assert qemu_ime2.emulated_count(res.stderr) == hp_instructions(m, k, n)  # AUTO chose IME2
     assert_bits_equal(res.c, q.ime2_hp_gemm(a, qweight, scales, level="hardware"), path)
+
+
+@pytest.mark.parametrize("vlen", [128, 256, 512])
+def test_whole_op_below_vlen_1024_is_an_error_unless_the_fallback_is_opted_in(vlen, monkeypatch):
+    """The seed: the op reads vlenb and returns an error unless it is 128. By default the whole op
+    and AUTO return WRONG_VLEN before any work (no .hp, no C, guards intact); with the driver's
+    --allow-fallback they run RVV (still no .hp) and equal the model bit for bit."""
+    m, k, n = 5, 288, 70
+    a, qweight, scales = operands(m, k, n, seed=1)
+    monkeypatch.setenv(qemu_ime2.EMU_ENV["count"], "1")
+    want = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+    for path in ("hp_gemm", "auto"):
+        res = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path)
+        assert (res.status, res.c, res.guards_ok) == (6, None, True), (path, res.text)
+        assert res.vlenb == vlen // 8 and qemu_ime2.emulated_count(res.stderr) == 0
+        opted = qemu_ime2.run(a, qweight, scales, vlen=vlen, path=path, allow_fallback=True)
+        assert opted.status == 0 and opted.guards_ok, opted.text
+        assert qemu_ime2.emulated_count(opted.stderr) == 0  # the fallback is RVV, not IME2
+        assert_bits_equal(opted.c, want, f"{path} with the fallback at VLEN {vlen}")
+
+
+def test_fallback_opt_in_changes_nothing_at_vlen_1024(monkeypatch):
+    """The opt-in only matters where vlenb != 128: at VLEN 1024 AUTO still runs IME2."""
+    m, k, n = 4, 256, 32
+    a, qweight, scales = operands(m, k, n, seed=2)
+    monkeypatch.setenv(qemu_ime2.EMU_ENV["count"], "1")
+    res = qemu_ime2.run(a, qweight, scales, vlen=1024, path="hp_gemm", allow_fallback=True)
+    assert res.status == 0 and qemu_ime2.emulated_count(res.stderr) == hp_instructions(m, k, n)
+    assert_bits_equal(res.c, q.ime2_hp_gemm(a, qweight, scales, level="hardware"), "opt-in at VLEN 1024")
 
 
 def test_emulator_is_inert_when_no_ime_instruction_runs(monkeypatch):

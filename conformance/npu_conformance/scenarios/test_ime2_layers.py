@@ -9,9 +9,11 @@
   layer's output bit for bit on the ``rvv`` path and the ``ime2`` path at VLEN 1024; on
   ``ime2-qemu`` under ``qemu-riscv64-static``, on ``ime2-hw`` natively (a path this CPU cannot
   run is skipped with the kernel's reason).
-* ``fence_*``: the K3 core fence (:mod:`vllm_npu.ime2.fence`) against a fake ``/proc`` tree:
-  no-op off a K3, load-then-register-then-move on a K3, clear errors for a missing or refused
-  ``set_ai_thread``; and what the fence decides about this machine.
+* ``fence_*``: the K3 core fence (:mod:`vllm_npu.ime2.fence`) against a fake ``/proc`` tree and
+  a fake worker pool: no-op off a K3; on a K3 load, then fresh GEMM workers, each worker's thread
+  id written to ``set_ai_thread``, then worker i pinned to A100 core 8 + i, while the calling
+  thread's affinity stays the X100 cores; clear errors for a missing or refused
+  ``set_ai_thread`` (the workers stopped); and what the fence decides about this machine.
 """
 
 from __future__ import annotations
@@ -144,28 +146,75 @@ def _tree(root: Path, *, k3: bool, set_ai_thread: bool):
     return fence.CoreLayout(proc_root=root)
 
 
+#: The calling thread's CPUs the fake K3 reports: the X100 cores, where it must stay.
+_X100 = frozenset(range(8))
+#: The A100 cores, one GEMM worker each (worker i on core 8 + i).
+_A100 = tuple(range(8, 16))
+
+
 class _Steps:
+    """The fence's injected steps, recorded in order: load the library, restart the pool, one
+    ``set_ai_thread`` write per worker (``register``), pin the workers (``pin``), stop them
+    (``shutdown``). The fake pool's workers have thread ids 50000 + i."""
+
     def __init__(self) -> None:
         self.order: list[str] = []
-        self.cores: set[int] | None = None
+        self.written: list[str] = []
+        self.tids: tuple[int, ...] = ()
+        self.pinned: tuple[int, ...] = ()
+        self.caller_reads = 0
 
-    def load(self) -> None:
+    def load(self) -> object:
         self.order.append("load")
+        return object()
 
-    def setaffinity(self, pid: int, cores) -> None:
-        self.order.append("affinity")
-        self.cores = set(cores)
+    def pool_factory(self, lib: object) -> _Steps:
+        return self  # the pool API is on this object: restart / pin / shutdown
+
+    def restart(self, n: int) -> tuple[int, ...]:
+        self.order.append("restart")
+        self.tids = tuple(50000 + i for i in range(n))
+        return self.tids
+
+    def pin(self, cpus):
+        from vllm_npu.ime2 import fence
+
+        self.order.append("pin")
+        self.pinned = tuple(cpus)
+        return tuple(fence.WorkerState(i, tid, cpu, frozenset({cpu}), None, None, 0)
+                     for i, (tid, cpu) in enumerate(zip(self.tids, cpus)))
+
+    def shutdown(self) -> None:
+        self.order.append("shutdown")
+
+    def getaffinity(self) -> frozenset[int]:
+        self.caller_reads += 1
+        return _X100
 
     def opener(self, path: Path):
-        self.order.append("register")
-        return open(path, "w", encoding="ascii")
+        steps = self
+
+        class _Write:
+            def __enter__(self):
+                steps.order.append("register")
+                return self
+
+            def __exit__(self, *exc) -> None:
+                path.write_text(steps.written[-1])
+
+            def write(self, text: str) -> int:
+                steps.written.append(text)
+                return len(text)
+
+        return _Write()
 
 
 def _enter(layout, steps: _Steps, **kw):
     from vllm_npu.ime2 import fence
 
     kw.setdefault("opener", steps.opener)
-    return fence.enter_ai_cores(layout, load_library=steps.load, setaffinity=steps.setaffinity, **kw)
+    return fence.enter_ai_cores(layout, load_library=steps.load, pool_factory=steps.pool_factory,
+                                getaffinity=steps.getaffinity, **kw)
 
 
 @pytest.mark.scenario(devices=("ime2",))
@@ -175,17 +224,24 @@ def test_fence_noop_off_k3(target, tmp_path, caplog):
     steps = _Steps()
     with caplog.at_level(logging.INFO, logger=fence.LOGGER.name):
         res = _enter(_tree(tmp_path / "proc", k3=False, set_ai_thread=False), steps)
-    assert not res.moved and steps.order == []
+    assert not res.moved and res.workers == () and res.registered == ()
+    assert steps.order == [] and steps.caller_reads == 0  # nothing loaded, started, written or pinned
     assert [r.getMessage() for r in caplog.records if r.name == fence.LOGGER.name] == [res.message]
 
 
 @pytest.mark.scenario(devices=("ime2",))
 def test_fence_moves_after_loading_on_k3(target, tmp_path):
+    """Load on the X100 cores, fresh workers, each worker's thread id written, one worker per A100
+    core; the calling thread's affinity is read before and after and stays the X100 cores."""
     steps = _Steps()
     layout = _tree(tmp_path / "proc", k3=True, set_ai_thread=True)
-    res = _enter(layout, steps, tid=31337)
-    assert res.moved and steps.order == ["load", "register", "affinity"]
-    assert layout.set_ai_thread.read_text() == "31337" and steps.cores == set(range(8, 16))
+    res = _enter(layout, steps)
+    assert res.moved and steps.order == ["load", "restart"] + ["register"] * 8 + ["pin"]
+    assert steps.written == [str(50000 + i) for i in range(8)] == [str(t) for t in res.registered]
+    assert layout.set_ai_thread.read_text() == "50007"  # the last worker's id: one id per write
+    assert steps.pinned == _A100 and [(w.index, w.cpu) for w in res.workers] == list(enumerate(_A100))
+    assert res.cores == frozenset(_A100)
+    assert res.caller_affinity == _X100 and steps.caller_reads == 2  # checked before loading and after
 
 
 @pytest.mark.scenario(devices=("ime2",))
@@ -193,8 +249,10 @@ def test_fence_errors(target, tmp_path):
     from vllm_npu.ime2 import fence
 
     missing = _tree(tmp_path / "a", k3=True, set_ai_thread=False)
+    steps = _Steps()
     with pytest.raises(fence.SetAiThreadMissingError, match="does not exist"):
-        _enter(missing, _Steps(), tid=1)
+        _enter(missing, steps)
+    assert steps.order == []  # refused before the library loads
 
     def refused(path: Path):
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
@@ -202,8 +260,9 @@ def test_fence_errors(target, tmp_path):
     layout = _tree(tmp_path / "b", k3=True, set_ai_thread=True)
     steps = _Steps()
     with pytest.raises(fence.SetAiThreadPermissionError, match="EACCES") as info:
-        _enter(layout, steps, opener=refused, tid=1)
-    assert str(layout.set_ai_thread) in str(info.value) and "affinity" not in steps.order
+        _enter(layout, steps, opener=refused)
+    assert str(layout.set_ai_thread) in str(info.value) and "worker thread 50000" in str(info.value)
+    assert steps.order == ["load", "restart", "shutdown"]  # never pinned: no half-fenced worker stays
 
 
 @pytest.mark.scenario(devices=("ime2",))

@@ -9,6 +9,15 @@ Checks:
 * its NMSE vs the float reference ``A @ dequant(W).T`` is at most :data:`MUL_MAT_NMSE`
   (llama.cpp test-backend-ops' mul_mat bound), recorded as the figure ``nmse_vs_float``;
 * the QEMU wall time of the run is recorded as ``qemu_wall_s`` (a relative measure only).
+
+The model is ``npusim.q4x32`` with this kernel's own choices (``order="hi_lo"``,
+``m4="grouped"``). The portable and RVV paths implement the ``.hp`` arithmetic in C (unfused,
+fp16 dot, overflow to inf); on the IME2 path the ``.hp`` options are the model's current
+defaults, which the SIGILL emulator is set to follow (``NPU_IME2_EMU_*``): switch the defaults
+to a board's answers (``NPUSIM_Q4X32_ANSWERS``) and the emulated kernel is checked against them.
+
+These scenarios need QEMU: on ``ime2-hw`` the board questions (``test_ime2_board.py``) and the
+native kernel runs (``test_ime2_layers.py``) take their place.
 """
 
 from __future__ import annotations
@@ -18,6 +27,12 @@ import pytest
 
 #: llama.cpp test-backend-ops' NMSE bound for mul_mat, vs the float reference.
 MUL_MAT_NMSE = 5e-4
+
+#: This kernel's own choices (kernels/ime2/src), whatever the model's defaults are.
+KERNEL_CHOICES = {"order": "hi_lo", "m4": "grouped"}
+#: The .hp arithmetic the portable and RVV paths implement in C (gemm_portable.c), fixed.
+C_HP_ARITHMETIC = {"rounding": "unfused", "dot": "fp16", "overflow": "inf"}
+QEMU_ONLY = "QEMU-only scenario; on the board see ime2_board.* (test_ime2_board.py) and ime2_layers.*"
 
 SHAPES = [  # (M, K, N): tails, K not a multiple of 256, and two seed (K, N) shapes at small M
     (1, 32, 7),
@@ -51,7 +66,7 @@ def bits_differing(got: np.ndarray, model: np.ndarray, *, nan_equal: bool = Fals
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen, path):
     if target.name != "ime2-qemu":
-        pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
+        pytest.skip(f"{target.name}: {QEMU_ONLY}")
     import npusim.q4x32 as q
     from npu_conformance import qemu_ime2
 
@@ -63,7 +78,7 @@ def test_qemu_gemm_matches_hardware_model(target, record, shape, vlen, path):
     assert res.guards_ok and res.vlenb == vlen // 8
     record.figure("qemu_wall_s", res.seconds, "s")
 
-    model = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+    model = q.ime2_hp_gemm(a, qweight, scales, level="hardware", **KERNEL_CHOICES, **C_HP_ARITHMETIC)
     mismatched = bits_differing(res.c, model)
     record.figure("bits_differing_from_model", mismatched, "elements")
     assert mismatched == 0, f"{mismatched} of {m * n} elements differ from npusim.q4x32 hardware"
@@ -84,13 +99,16 @@ IME2_SHAPES = [(1, 32, 7), (5, 288, 70), (4, 512, 64)]  # tail only, tail + tile
 def test_ime2_path_matches_hardware_model_at_vlen_1024(target, record, shape, monkeypatch):
     """The IME2 path at VLEN 1024 equals npusim.q4x32 hardware bit for bit (NaN == NaN)."""
     if target.name != "ime2-qemu":
-        pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
+        pytest.skip(f"{target.name}: {QEMU_ONLY}")
     import npusim.q4x32 as q
     from npu_conformance import qemu_ime2
 
     m, k, n = shape
     a, qweight, scales = operands(4, shape)
     monkeypatch.setenv(qemu_ime2.EMU_ENV["count"], "1")  # the emulator reports the .hp count on stderr
+    defaults = q.get_defaults()
+    for option in ("rounding", "dot", "overflow"):  # the emulator follows the model's defaults
+        monkeypatch.setenv(qemu_ime2.EMU_ENV[option], defaults[option])
 
     res = qemu_ime2.run(a, qweight, scales, vlen=1024, path="ime2", timeout=120)
     assert res.status == 0, res.text
@@ -100,7 +118,7 @@ def test_ime2_path_matches_hardware_model_at_vlen_1024(target, record, shape, mo
     if emulated is not None:
         record.figure("hp_instructions", emulated, "instructions")
 
-    model = q.ime2_hp_gemm(a, qweight, scales, level="hardware")
+    model = q.ime2_hp_gemm(a, qweight, scales, level="hardware", **KERNEL_CHOICES)
     mismatched = bits_differing(res.c, model, nan_equal=True)
     record.figure("bits_differing_from_model", mismatched, "elements")
     assert mismatched == 0, f"{mismatched} of {m * n} elements differ from npusim.q4x32 hardware"
@@ -111,7 +129,7 @@ def test_ime2_path_matches_hardware_model_at_vlen_1024(target, record, shape, mo
 def test_ime2_path_refuses_below_vlen_1024(target, vlen):
     """Below VLEN 1024 the IME2 path returns NPU_IME2_ERR_WRONG_VLEN: no crash, no C, guards intact."""
     if target.name != "ime2-qemu":
-        pytest.skip(f"{target.name}: the native K3 run is not built yet (issue 3)")
+        pytest.skip(f"{target.name}: {QEMU_ONLY}")
     from npu_conformance import qemu_ime2
 
     a, qweight, scales = operands(5, (5, 288, 70))

@@ -1,7 +1,11 @@
 /*
  * driver.c - test driver of the IME2 kernel for riscv64 under QEMU (issue 3, section 3).
  *
- *   npu_ime2_driver [REQUEST_FILE]        (no argument or "-": the request is read from stdin)
+ *   npu_ime2_driver [--allow-fallback] [REQUEST_FILE]   (no file or "-": the request is read from stdin)
+ *
+ * --allow-fallback calls npu_ime2_set_allow_fallback(1) before the request runs: AUTO and the
+ * whole op then fall back to RVV / portable when vlenb != 128 instead of returning
+ * NPU_IME2_ERR_WRONG_VLEN (npu_ime2.h, "AUTO and the vlenb rule").
  *
  * Reads one request, runs the kernel through its C ABI, writes one response to stdout. All
  * integers are little-endian; float32 is IEEE binary32 little-endian.
@@ -146,10 +150,15 @@ int main(int argc, char **argv)
     if (npu_ime2_emu_install() != 0)
         return fail("cannot install the IME2 instruction emulator");
 #endif
-    if (argc > 2)
-        return fail("usage: npu_ime2_driver [REQUEST_FILE|-]");
-    if (argc == 2 && strcmp(argv[1], "-") != 0) {
-        in = fopen(argv[1], "rb");
+    int arg = 1;
+    if (arg < argc && strcmp(argv[arg], "--allow-fallback") == 0) {
+        npu_ime2_set_allow_fallback(1);
+        arg++;
+    }
+    if (argc - arg > 1 || (arg < argc && strncmp(argv[arg], "--", 2) == 0))
+        return fail("usage: npu_ime2_driver [--allow-fallback] [REQUEST_FILE|-]");
+    if (arg < argc && strcmp(argv[arg], "-") != 0) {
+        in = fopen(argv[arg], "rb");
         if (!in)
             return fail("cannot open the request file");
     }

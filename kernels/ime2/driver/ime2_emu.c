@@ -18,6 +18,9 @@
  *   every fp16 rounding RNE with subnormals; overflow -> +/-inf (inf) or every infinite result
  *   clamped to +/-65504 (saturate, as numpy's clip in npusim.q4x32.fp16.to_f16). All sources
  *   are read before vd is written (vd may alias vs1, vs2 or vscale).
+ * The fp16 arithmetic is the emulator's own (ime2_emu_fp16.h: integers only, exact values in
+ * units of 2**-24, one RNE per rounding); nothing is shared with the kernel under test
+ * (kernels/ime2/src is not included), so the two meet only in the specification.
  * Not emulated (the handler restores SIG_DFL and returns, so re-executing the word kills the
  * process with the real SIGILL): i8 .hp (data type 11), every other IME instruction (vmadot,
  * .sp, vpack, vfwmadot, ...), any other illegal instruction, and any .hp at vlenb != 128.
@@ -31,77 +34,42 @@
  *
  * Built without auto-vectorization; the handler calls no library function except sigaction
  * (on the give-up path), so no vector register is touched before it is saved.
+ *
+ * Threads: the handler runs on the thread that trapped (the kernel's pool workers leave SIGILL
+ * unblocked), possibly on several threads at once. Its per-trap state (the saved register file
+ * emu_regs; everything else is on the stack) is _Thread_local, the counter is atomic, and the
+ * options are written once by npu_ime2_emu_install before any .hp runs, then only read.
  */
 #define _GNU_SOURCE
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <ucontext.h>
 
-#include "fp16.h"
 #include "ime2_emu.h"
+#include "ime2_emu_fp16.h"
 
 #define EMU_VLENB 128
 #define NREGS 32
 #define OUTPUTS 64 /* 8 x 8 fp16 */
 #define TK 32      /* K of an int4 .hp tile */
 
-enum { ROUND_UNFUSED, ROUND_FUSED };
-
-static int emu_rounding = ROUND_UNFUSED;
-static int emu_dot_exact = 0;
-static int emu_saturate = 0;
+/* Set once by npu_ime2_emu_install, before any thread traps; only read by the handler. */
+static emu_hp_mode emu_mode = {0, 0, 0}; /* rounding unfused, dot fp16, overflow inf */
 static int emu_report_count = 0;
-static volatile unsigned long emu_count = 0;
-static uint8_t emu_regs[NREGS * EMU_VLENB] __attribute__((aligned(16)));
+/* Emulated instructions, all threads (lock-free atomic add: async-signal-safe). */
+static atomic_ulong emu_count = 0;
+/* The per-trap state, one copy per thread: several threads (the kernel's GEMM workers) may be
+ * in the handler at once, each saving and editing its own register file (4 KiB of static TLS
+ * per thread, so the handler's stack use stays small). */
+static _Thread_local uint8_t emu_regs[NREGS * EMU_VLENB] __attribute__((aligned(16)));
 
-unsigned long npu_ime2_emu_count(void) { return emu_count; }
+unsigned long npu_ime2_emu_count(void) { return atomic_load_explicit(&emu_count, memory_order_relaxed); }
 
-/* ---- fp16 arithmetic (values carried as doubles holding fp16 values, as fp16.h) ---- */
-
-/* One rounding to fp16 with the overflow option: saturate clamps every infinity to +/-65504. */
-static double round16(double x)
-{
-    double r = f16_round(x);
-    if (emu_saturate && (r > 65504.0 || r < -65504.0))
-        r = r > 0 ? 65504.0 : -65504.0;
-    return r;
-}
-
-/* The double adjacent to finite non-zero x, one ulp towards +inf (up) or -inf. */
-static double step_ulp(double x, int up)
-{
-    uint64_t b;
-    memcpy(&b, &x, sizeof b);
-    const int away = (x > 0) == (up != 0); /* moving away from zero grows the magnitude */
-    b = away ? b + 1 : b - 1;
-    double y;
-    memcpy(&y, &b, sizeof y);
-    return y;
-}
-
-/* fp16(p + c) with ONE rounding, p and c exact doubles (p = t * scale is exact: t has at most
- * 32 significant bits, scale 11): TwoSum gives s + e == p + c exactly; s rounded to odd at 53
- * bits (one ulp towards e when e != 0 and s is even), then RNE to fp16 is a single correct
- * rounding (53 >= 11 + 2), as npusim.q4x32.fp16.fma_f16. */
-static double fused16(double p, double c)
-{
-    const double s = p + c;
-    const double bb = s - p;
-    double e = (p - (s - bb)) + (c - bb);
-    if (!(s - s == 0.0)) /* s is inf or NaN */
-        e = 0.0;
-    uint64_t sb;
-    memcpy(&sb, &s, sizeof sb);
-    double r = s;
-    if (e != 0.0 && (sb & 1u) == 0)
-        r = step_ulp(s, e > 0);
-    return round16(r);
-}
-
-static inline double f16_value(const uint8_t *p) { return f16_to_double((f16_t)(p[0] | (p[1] << 8))); }
+static inline uint16_t get_u16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
 
 /* Element e (0..255) of an int4 register image. */
 static inline int nibble(const uint8_t *reg, int e, int is_signed)
@@ -122,11 +90,7 @@ static void execute(int vd, int vs1, int vs2, int vscale, int imm3, int a_signed
         int32_t tmp = 0;
         for (int q = 0; q < TK; q++)
             tmp += nibble(a, row * TK + q, a_signed) * nibble(b, col * TK + q, b_signed);
-        const double t = emu_dot_exact ? (double)tmp : round16((double)tmp);
-        const double scale = f16_value(sc + 2 * col);
-        const double acc = f16_value(d + 2 * p);
-        const double r = emu_rounding == ROUND_FUSED ? fused16(t * scale, acc) : round16(acc + round16(t * scale));
-        out[p] = f16_from_double(r);
+        out[p] = emu_hp_output(get_u16(d + 2 * p), tmp, get_u16(sc + 2 * col), &emu_mode);
     }
     for (int p = 0; p < OUTPUTS; p++) { /* every source was read above */
         d[2 * p] = (uint8_t)(out[p] & 0xffu);
@@ -216,7 +180,7 @@ static void on_sigill(int sig, siginfo_t *info, void *ctx)
     execute((int)((w >> 7) & 31u), (int)((w >> 15) & 31u), (int)((w >> 20) & 31u), (int)((w >> 25) & 1u),
             (int)((w >> 12) & 7u), a_signed, b_signed);
     restore_vregs(vlenb, vl, vtype);
-    emu_count = emu_count + 1;
+    atomic_fetch_add_explicit(&emu_count, 1, memory_order_relaxed);
     uc->uc_mcontext.__gregs[REG_PC] = pc + 4;
 }
 
@@ -248,9 +212,9 @@ int npu_ime2_emu_install(void)
     const int o = env_choice(NPU_IME2_EMU_ENV_OVERFLOW, overflow, 2);
     if (r < 0 || d < 0 || o < 0)
         return -1;
-    emu_rounding = r == 1 ? ROUND_FUSED : ROUND_UNFUSED;
-    emu_dot_exact = d == 1;
-    emu_saturate = o == 1;
+    emu_mode.fused = r == 1;
+    emu_mode.dot_exact = d == 1;
+    emu_mode.saturate = o == 1;
     const char *count = getenv(NPU_IME2_EMU_ENV_COUNT);
     emu_report_count = count && *count;
 
@@ -269,5 +233,5 @@ int npu_ime2_emu_install(void)
 void npu_ime2_emu_report(void)
 {
     if (emu_report_count)
-        fprintf(stderr, "npu_ime2_emu: emulated=%lu\n", emu_count);
+        fprintf(stderr, "npu_ime2_emu: emulated=%lu\n", npu_ime2_emu_count());
 }

@@ -102,6 +102,14 @@ npu_ime2_status npu_ime2_gemm_check(const void *a_packed, size_t a_bytes, const 
 npu_ime2_status npu_ime2_run_path(int path, const uint8_t *a, const uint8_t *b, int64_t m, int64_t k, int64_t n,
                                   float *c);
 
+/* The worker pool of npu_ime2_gemm_mt (threads.c), for the whole op (dispatch.c). */
+/* The pinned workers every npu_ime2_gemm_mt call of this process runs on: 0 when the pool is
+ * unconfigured (every host but a K3 after the core fence), else 1 .. NPU_IME2_MAX_THREADS. */
+int npu_ime2_pool_configured(void);
+/* npu_ime2_path_status(path), AUTO resolved, where npu_ime2_gemm_mt's slices run: by worker 0 on
+ * its own core when the pool is configured, else in the calling thread. Touches no data. */
+npu_ime2_status npu_ime2_pool_path_status(int path);
+
 /* Optional paths (dispatch.c): each is defined by its own source file, which the build adds
  * together with -DNPU_IME2_HAVE_<PATH>. They receive validated shapes with M, N >= 1 and are
  * only called after their usable check passed. */

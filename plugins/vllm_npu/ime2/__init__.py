@@ -3,8 +3,9 @@
 * ``ime2_hp_gemm_cpu(A, qweight, scales)``, ``register_torch_op()`` and the rest of
   :mod:`vllm_npu.ime2.kernel`: the host build of ``kernels/ime2`` through its C ABI (issue 3).
   Loaded lazily, so importing this package stays cheap (no ctypes load, no torch).
-* :mod:`vllm_npu.ime2.fence`: the K3 core fence (load on the X100 cores, then move to the A100
-  cores through ``/proc/set_ai_thread``; a no-op with one log line on any other host; issue 5).
+* :mod:`vllm_npu.ime2.fence`: the K3 core fence (load on the X100 cores, then register the
+  kernel's GEMM worker threads in ``/proc/set_ai_thread`` and pin one per A100 core, the calling
+  thread staying on the X100 cores; a no-op with one log line on any other host; issues 5, 15).
 * ``PackedQ4Weight``, ``pack_count``: :mod:`vllm_npu.ime2.linear`, a linear layer's weight
   Q4_0-quantized and packed once, applied through the kernel with its N tiles over threads.
 * :func:`register`: the vLLM general plugin (entry point ``vllm.general_plugins``: ``ime2``)

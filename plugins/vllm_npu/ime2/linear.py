@@ -3,18 +3,21 @@
 :class:`PackedQ4Weight` holds one ``nn.Linear``-style weight ``W [N, K]`` as the kernel's packed
 B tiles (``kernels/ime2``: Q4_0 weight quantization in C, packing to 576-byte tiles). Each
 :meth:`PackedQ4Weight.apply` quantizes the activations (the kernel's HP int8 rows) and runs the
-GEMM with the N tiles split over threads (one slice per usable core), on the path the library
-picks for this CPU (``kernel.auto_path()``). Results are those of
+GEMM with the N tiles split over threads (one slice per pinned GEMM worker once the core fence
+configured the kernel's worker pool, else one per core the calling thread may use), on the path
+``auto`` resolves to where the slices run. Results are those of
 ``npusim.q4x32.ime2_hp_gemm(A, *quantize_q4_0(W), level="hardware")`` bit for bit, whatever the
 thread count. This module talks to the kernel's C ABI only (never to the simulator).
 
-Environment: ``NPU_HARNESS_IME2_THREADS`` overrides the thread count (an integer 1..256).
+Environment: ``NPU_HARNESS_IME2_THREADS`` overrides the thread count (an integer 1..256; a
+configured pool uses at most its workers).
 """
 
 from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,8 +40,31 @@ def pack_count() -> int:
     return _PACKS
 
 
-def default_threads() -> int:
-    """Threads per GEMM: ``$NPU_HARNESS_IME2_THREADS`` if set, else the cores this process may run on.
+def _configured_workers(pool_state: Callable[[], Any] | None) -> int:
+    """The pinned GEMM workers of the kernel's pool (``PoolState.configured``; 0: unconfigured).
+
+    ``pool_state``: returns the pool's counters (default :func:`fence.pool_state`); a library
+    that is not built or has no pool API counts as unconfigured here (the GEMM reports it).
+    """
+    if pool_state is None:
+        from . import fence
+
+        pool_state = fence.pool_state
+    try:
+        return int(pool_state().configured)
+    except kernel.KernelUnavailableError:
+        return 0
+
+
+def default_threads(*, pool_state: Callable[[], Any] | None = None) -> int:
+    """Threads (N slices) per GEMM, 1..256: ``$NPU_HARNESS_IME2_THREADS`` if set; else, once the
+    core fence configured the kernel's worker pool, its pinned workers (eight, one per A100 core
+    8..15 on a K3: every GEMM runs on them, whatever cores the calling thread may use); else the
+    cores the calling thread may run on (``os.sched_getaffinity(0)``).
+
+    Args:
+        pool_state: returns the pool's counters, a :class:`fence.PoolState` or any object with
+            ``configured`` (default :func:`fence.pool_state`; tests inject a fake pool's).
 
     Raises:
         ValueError: the variable is not an integer in 1..256 (the message names the value).
@@ -52,6 +78,9 @@ def default_threads() -> int:
         if not 1 <= value <= _MAX_THREADS:
             raise ValueError(f"{THREADS_ENV}={raw!r} must be an integer between 1 and {_MAX_THREADS}")
         return value
+    workers = _configured_workers(pool_state)
+    if workers > 0:
+        return min(workers, _MAX_THREADS)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

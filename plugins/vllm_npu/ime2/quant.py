@@ -16,9 +16,13 @@ unchanged); ``process_weights_after_loading`` packs it and deletes the parameter
 copy is freed and only the packed tiles stay resident.
 
 On a SpacemiT K3 the thread that loads the model passes the core fence before the first
-weight is packed (:mod:`vllm_npu.ime2.fence`: kernel loaded on the X100 cores, then the thread
-moves to the A100 cores, whose IME2 instructions the ``ime2`` path needs); elsewhere the fence
-only logs that this is not a K3.
+weight is packed (:mod:`vllm_npu.ime2.fence`: kernel loaded on the X100 cores, then the kernel's
+GEMM worker threads registered and pinned one per A100 core, whose IME2 instructions the ``ime2``
+path needs, while this thread stays on the X100 cores); elsewhere the fence only logs that this
+is not a K3. On a K3 a failed fence stops the load (:class:`CoreFenceError`),
+and so does the K3 build of the kernel reading ``vlenb != 128`` after the fence
+(``kernel.WrongVlenError``) unless the RVV/portable fallback is opted in
+(``NPU_IME2_ALLOW_FALLBACK=1``): see :func:`pass_core_fence` and :func:`check_kernel_path`.
 
 The kernel call is the torch custom op ``torch.ops.npu_harness.ime2_q4_linear`` (opaque to
 ``torch.compile``; its fake implementation gives the output shape), so compiled and eager
@@ -44,10 +48,13 @@ from .linear import PackedQ4Weight, default_threads
 __all__ = [
     "METHOD_NAME",
     "AlreadyQuantizedError",
+    "CoreFenceError",
     "Ime2Q4Config",
     "Ime2Q4LinearMethod",
     "Ime2QuantError",
     "UnsupportedPlatformError",
+    "check_kernel_path",
+    "pass_core_fence",
     "register",
 ]
 
@@ -74,14 +81,79 @@ class AlreadyQuantizedError(Ime2QuantError):
     """The checkpoint's ``config.json`` already carries another quantization scheme."""
 
 
-def _log_path_once() -> None:
+class CoreFenceError(fence.FenceError):
+    """``--quantization ime2_q4`` on a SpacemiT K3 whose core fence failed: the fence raised (its
+    error is ``__cause__``) or came back without pinning the GEMM worker threads to the A100
+    cores."""
+
+
+def pass_core_fence(layout: fence.CoreLayout | None = None) -> fence.FenceResult:
+    """Pass the K3 core fence once per process (:func:`fence.enter_ai_cores_once`), as a hard
+    requirement on a K3.
+
+    Off a K3 (x86-64 hosts and other machines :func:`fence.detect_k3` rejects) the fence is a
+    no-op that logs one line, and so is this. On a K3 the kernel's GEMM worker threads must end
+    up pinned to the A100 cores (the calling thread stays on the X100 cores).
+
+    Args:
+        layout: proc root and core sets (default :data:`fence.K3_LAYOUT`, read at call time).
+
+    Returns:
+        The fence's result (``moved`` is True on a K3).
+
+    Raises:
+        CoreFenceError: on a K3, the fence raised a :class:`fence.FenceError` (no
+            ``/proc/set_ai_thread``, the write refused or failed, a worker's pin failed) or
+            returned without moving the workers.
+        vllm_npu.ime2.kernel.KernelUnavailableError: the kernel library is not built.
+    """
+    layout = fence.K3_LAYOUT if layout is None else layout
+    cores = sorted(layout.a100_cores)
+    try:
+        result = fence.enter_ai_cores_once(logger=logger, layout=layout)
+    except fence.FenceError as exc:
+        raise CoreFenceError(
+            f"--quantization {METHOD_NAME}: the SpacemiT K3 core fence failed, so the GEMM's worker threads cannot "
+            f"reach the A100 cores {cores} whose IME2 instructions the kernel needs: {exc}", exc.path) from exc
+    if not result.moved:
+        found = fence.detect_k3(layout)
+        if found.is_k3:
+            raise CoreFenceError(
+                f"--quantization {METHOD_NAME}: this host is a SpacemiT K3 ({found.reason}) but the core fence "
+                f"did not move the threads of the GEMM to the A100 cores {cores} ({result.message})",
+                layout.set_ai_thread)
+    return result
+
+
+def check_kernel_path() -> str:
+    """The kernel path ``auto`` runs where the layers' GEMM slices run, checked before any weight
+    is packed (:func:`kernel.check_gemm_path`: on the kernel's worker threads, which the core
+    fence pinned to the A100 cores on a K3; elsewhere this thread).
+
+    On the K3 build (``kernel.ime2_built()``) without the fallback opt-in that is ``ime2``, and
+    it must be able to run there (vlenb 128, an A100 core); with ``NPU_IME2_ALLOW_FALLBACK=1`` it
+    may be ``rvv``/``portable`` (logged as a warning). Other builds: ``x86`` or ``portable``.
+
+    Raises:
+        vllm_npu.ime2.kernel.WrongVlenError: the K3 build reads vlenb != 128 where the slices run
+            (worker 0 of a pinned pool, else this thread) and the fallback is not opted in (names
+            the vlenb and the CPUs).
+        vllm_npu.ime2.kernel.FallbackSettingError: ``NPU_IME2_ALLOW_FALLBACK`` is malformed.
+        vllm_npu.ime2.kernel.PathError: the resolved path cannot run on this CPU.
+    """
+    return kernel.check_gemm_path(context=f"--quantization {METHOD_NAME}, after the core fence")
+
+
+def _log_path_once(path: str) -> None:
+    """One INFO line per process: the kernel path ``path`` (from :func:`check_kernel_path`)."""
     global _PATH_LOGGED
     with _LOCK:
         if _PATH_LOGGED:
             return
         _PATH_LOGGED = True
-    logger.info("ime2_q4: linear layers run the IME2 Q4_0x32 kernel, %s path (auto_path(); usable here: %s), "
-                "N tiles over %d threads", kernel.auto_path(), ", ".join(kernel.usable_paths()), default_threads())
+    logger.info("ime2_q4: linear layers run the IME2 Q4_0x32 kernel, %s path (auto, where the GEMM runs; usable "
+                "in this thread: %s), N tiles over %d threads", path, ", ".join(kernel.usable_paths()),
+                default_threads())
 
 
 def _define_op() -> None:
@@ -181,16 +253,19 @@ class Ime2Q4LinearMethod(LinearMethodBase):
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         """Quantize and pack ``layer.weight`` once, then delete the float parameter.
 
-        The first call in a process passes the K3 core fence (:func:`fence.enter_ai_cores_once`:
-        on a SpacemiT K3 the kernel is loaded on the X100 cores, then this thread, the one that
-        runs the forward passes, moves to the A100 cores; elsewhere one log line) and logs the
-        kernel path once.
+        The first call in a process passes the K3 core fence (:func:`pass_core_fence`: on a
+        SpacemiT K3 the kernel is loaded on the X100 cores, then the kernel's GEMM worker threads
+        are pinned one per A100 core, while this thread, the one that runs the forward passes,
+        stays on the X100 cores; elsewhere one log line), checks the kernel path
+        (:func:`check_kernel_path`) and logs it once.
 
         Raises:
-            vllm_npu.ime2.fence errors: a K3 whose core fence fails (e.g. no ``/proc/set_ai_thread``).
+            CoreFenceError: a K3 whose core fence fails (e.g. no ``/proc/set_ai_thread``).
+            vllm_npu.ime2.kernel.WrongVlenError: the K3 build of the kernel reads vlenb != 128
+                where the GEMM runs and ``NPU_IME2_ALLOW_FALLBACK`` is not set.
         """
-        fence.enter_ai_cores_once(logger=logger)
-        _log_path_once()
+        pass_core_fence()
+        _log_path_once(check_kernel_path())
         _define_op()
         name = getattr(layer, "prefix", "") or "weight"
         packed = PackedQ4Weight.from_float(layer.weight.data, name=name)

@@ -13,7 +13,9 @@ Modules, one job each:
 * :mod:`~npusim.q4x32.instr` - one ``vmadot{u,us,su,}.hp`` instruction (i4/i8) on VLEN-1024
   register images, encode/decode, and a register-file step for a SIGILL emulator's oracle.
 * :mod:`~npusim.q4x32.options` - the details the spec leaves open (``rounding``, ``dot``,
-  ``overflow``, ``order``) as named options.
+  ``overflow``, ``order``, ``m4``) as named options, and their switchable defaults
+  (:func:`set_defaults`, ``NPUSIM_Q4X32``, a K3 board's answers file via
+  :func:`set_defaults_from_answers` / ``NPUSIM_Q4X32_ANSWERS``).
 * :mod:`~npusim.q4x32.fp16` - correctly rounded binary16 arithmetic.
 * :mod:`~npusim.q4x32.gemm` - :func:`ime2_hp_gemm` at ``level="exact"`` and ``"hardware"``.
 * :mod:`~npusim.q4x32.replay` - instruction-by-instruction replay of the kernels (slow oracle).
@@ -26,12 +28,15 @@ Public API::
                               pack_b, unpack_b, pack_a, unpack_a, a_packed_size, b_packed_size,
                               vmadot_hp, encode_hp, decode_hp, execute_hp, pack_tile, unpack_tile,
                               ime2_hp_gemm, ime2_hp_gemm_prepared, prepare_weight,
-                              scalar_tail_gemm, replay_gemm, nmse)
+                              scalar_tail_gemm, replay_gemm, nmse,
+                              get_defaults, set_defaults, reset_defaults, option_defaults,
+                              load_answers, set_defaults_from_answers)
 """
 
 from __future__ import annotations
 
 from .errors import (
+    AnswersError,
     DTypeError,
     InstructionError,
     KDimensionError,
@@ -68,7 +73,17 @@ from .layout import (
     unpack_b,
 )
 from .metrics import nmse
-from .options import HpMode
+from .options import (
+    BUILTIN_DEFAULTS,
+    OPTIONS,
+    HpMode,
+    get_defaults,
+    load_answers,
+    option_defaults,
+    reset_defaults,
+    set_defaults,
+    set_defaults_from_answers,
+)
 from .quant import (
     SUPERBLOCK_K,
     QuantizedA,
@@ -84,10 +99,13 @@ from .replay import replay_gemm
 
 
 __all__ = [
+    "AnswersError",
     "A_BLOCK_BYTES",
     "A_GROUP_BLOCK_BYTES",
     "B_BLOCK_BYTES",
+    "BUILTIN_DEFAULTS",
     "B_SUPERBLOCK_BYTES",
+    "OPTIONS",
     "SUPERBLOCK_K",
     "VLENB",
     "DTypeError",
@@ -111,10 +129,13 @@ __all__ = [
     "encode_hp",
     "execute_hp",
     "format_hp",
+    "get_defaults",
     "hp_accumulate",
     "ime2_hp_gemm",
     "ime2_hp_gemm_prepared",
+    "load_answers",
     "nmse",
+    "option_defaults",
     "pack_a",
     "pack_b",
     "pack_tile",
@@ -125,7 +146,10 @@ __all__ = [
     "quantize_a",
     "quantize_q4_0",
     "replay_gemm",
+    "reset_defaults",
     "scalar_tail_gemm",
+    "set_defaults",
+    "set_defaults_from_answers",
     "unpack_a",
     "unpack_b",
     "unpack_tile",

@@ -7,6 +7,7 @@ Every class is a :class:`ValueError` (through :class:`Q4x32Error`), so callers t
 from __future__ import annotations
 
 __all__ = [
+    "AnswersError",
     "DTypeError",
     "InstructionError",
     "KDimensionError",
@@ -48,7 +49,14 @@ class LayoutError(Q4x32Error):
 
 
 class OptionError(Q4x32Error):
-    """An option string (``level``, ``rounding``, ``dot``, ``overflow``, ``order``, ...) is unknown."""
+    """An option string (``level``, ``rounding``, ``dot``, ``overflow``, ``order``, ``m4``, ...) is
+    unknown, or a default set through ``set_defaults`` / ``NPUSIM_Q4X32`` names an unknown option
+    or value."""
+
+
+class AnswersError(OptionError):
+    """A board answers file (``ime2-board-answers.json``) is unreadable or malformed, or answers an
+    option with none of the modelled values."""
 
 
 class InstructionError(Q4x32Error):

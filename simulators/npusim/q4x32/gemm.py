@@ -51,7 +51,7 @@ from .errors import ShapeMismatchError
 from .fp16 import mul_f16
 from .instr import hp_accumulate
 from .layout import TILE_N, pack_b
-from .options import LEVELS, ORDERS, HpMode, check_option
+from .options import LEVELS, HpMode, check_option, resolve
 from .quant import SUBBLOCKS, QuantizedA, _check_weight_pair, codes_from_qweight, n_superblocks, quantize_a
 
 __all__ = ["PreparedWeight", "ime2_hp_gemm", "ime2_hp_gemm_prepared", "prepare_weight", "scalar_tail_gemm"]
@@ -157,10 +157,11 @@ def ime2_hp_gemm(
     scales: np.ndarray,
     *,
     level: str = "exact",
-    rounding: str = "unfused",
-    dot: str = "fp16",
-    overflow: str = "inf",
-    order: str = "hi_lo",
+    rounding: str | None = None,
+    dot: str | None = None,
+    overflow: str | None = None,
+    order: str | None = None,
+    m4: str | None = None,
 ) -> np.ndarray:
     """``C[M, N] = A @ dequant(qweight, scales)^T`` as the IME2 HP kernel computes it.
 
@@ -173,12 +174,15 @@ def ime2_hp_gemm(
         rounding, dot, overflow: the open ``.hp`` details (``hardware`` only), see
             :mod:`npusim.q4x32.options`.
         order: ``"hi_lo"`` (the kernels' order) or ``"lo_hi"`` (``hardware`` only).
+        m4: ``"grouped"`` (4-row groups, then single rows) or ``"rowwise"`` (both levels: it
+            decides how A is quantized).
+        Every option left None takes the current default (:func:`npusim.q4x32.get_defaults`).
 
     Returns:
         float32 ``[M, N]``.
 
     Raises:
-        OptionError: unknown ``level``/``rounding``/``dot``/``overflow``/``order``.
+        OptionError: unknown ``level``/``rounding``/``dot``/``overflow``/``order``/``m4``.
         DTypeError: ``a``/``scales`` not float32 or ``qweight`` not uint8.
         ShapeMismatchError: ``a`` not 2-D, or the shapes of ``a``, ``qweight``, ``scales``
             disagree.
@@ -188,7 +192,7 @@ def ime2_hp_gemm(
     _check_a(a, None)  # A's own errors first, before the weights are prepared
     w = prepare_weight(qweight, scales)
     return ime2_hp_gemm_prepared(a, w, level=level, rounding=rounding, dot=dot, overflow=overflow,
-                                 order=order)
+                                 order=order, m4=m4)
 
 
 def ime2_hp_gemm_prepared(
@@ -196,10 +200,11 @@ def ime2_hp_gemm_prepared(
     w: PreparedWeight,
     *,
     level: str = "exact",
-    rounding: str = "unfused",
-    dot: str = "fp16",
-    overflow: str = "inf",
-    order: str = "hi_lo",
+    rounding: str | None = None,
+    dot: str | None = None,
+    overflow: str | None = None,
+    order: str | None = None,
+    m4: str | None = None,
 ) -> np.ndarray:
     """:func:`ime2_hp_gemm` with weights prepared once by :func:`prepare_weight`.
 
@@ -207,11 +212,12 @@ def ime2_hp_gemm_prepared(
         The same errors as :func:`ime2_hp_gemm` for ``a`` and the options.
     """
     check_option("level", level, LEVELS)
-    mode = HpMode(rounding=rounding, dot=dot, overflow=overflow)  # type: ignore[arg-type]
-    check_option("order", order, ORDERS)
+    mode = HpMode.current(rounding, dot, overflow)
+    order = resolve("order", order)
+    m4 = resolve("m4", m4)
     a = _check_a(a, w.k)
     check_finite("A", a)
-    qa = quantize_a(a)
+    qa = quantize_a(a, m4=m4)
     if level == "exact":
         return _exact(qa, w)
     return _hardware(qa, w, mode, order)
@@ -314,12 +320,15 @@ def _scalar_tail(qa: QuantizedA, codes: np.ndarray, d16: np.ndarray) -> np.ndarr
     return acc
 
 
-def scalar_tail_gemm(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray) -> np.ndarray:
+def scalar_tail_gemm(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray, *, m4: str | None = None) -> np.ndarray:
     """Every column through the scalar tail ``acc += scale_avg * as * bs * (dot + asum)``.
 
     The ``hardware`` level uses this formula only for columns past a multiple of 32; applying it to
     whole tiles measures how far it is from the instruction path (the seed: "within about 0.7
     absolute on random tiles").
+
+    Args:
+        m4: how A is quantized (:func:`~npusim.q4x32.quant.quantize_a`); None: the current default.
 
     Returns:
         float32 ``[M, N]``.
@@ -330,4 +339,4 @@ def scalar_tail_gemm(a: np.ndarray, qweight: np.ndarray, scales: np.ndarray) -> 
     w = prepare_weight(qweight, scales)
     a = _check_a(a, w.k)
     check_finite("A", a)
-    return _scalar_tail(quantize_a(a), w.codes, w.d16)
+    return _scalar_tail(quantize_a(a, m4=m4), w.codes, w.d16)

@@ -180,7 +180,7 @@ def unpack_tile(register: object, *, int4: bool = True, signed: bool = False) ->
 # arithmetic
 
 
-def hp_accumulate(vd: np.ndarray, tmp: np.ndarray, scale: np.ndarray, mode: HpMode = HpMode()) -> np.ndarray:
+def hp_accumulate(vd: np.ndarray, tmp: np.ndarray, scale: np.ndarray, mode: HpMode | None = None) -> np.ndarray:
     """The per-output arithmetic of every ``.hp`` instruction: ``vd + (fp16)tmp * scale``.
 
     Elementwise and broadcasting, so the GEMM model applies it to whole tiles at once.
@@ -189,7 +189,8 @@ def hp_accumulate(vd: np.ndarray, tmp: np.ndarray, scale: np.ndarray, mode: HpMo
         vd: fp16 accumulator values.
         tmp: the int32 dot products (integers, |tmp| < 2**31).
         scale: fp16 scales.
-        mode: the open rounding details (:class:`~npusim.q4x32.options.HpMode`).
+        mode: the open rounding details (:class:`~npusim.q4x32.options.HpMode`); None: the
+            current defaults (:func:`npusim.q4x32.options.get_defaults`).
 
     Returns:
         float16 array: ``unfused`` = ``fp16(vd + fp16(t * scale))``, ``fused`` =
@@ -197,6 +198,8 @@ def hp_accumulate(vd: np.ndarray, tmp: np.ndarray, scale: np.ndarray, mode: HpMo
         (``dot="exact"``); each fp16 rounding is RNE, overflowing to inf or clamping to 65504
         per ``mode.overflow``.
     """
+    if mode is None:
+        mode = HpMode.current()
     sat = mode.saturate
     t = to_f16(tmp, saturate=sat) if mode.dot == "fp16" else np.asarray(tmp, dtype=np.float64)
     if mode.rounding == "unfused":
@@ -213,9 +216,9 @@ def vmadot_hp(
     *,
     signedness: Signedness = "u",
     int4: bool = True,
-    rounding: str = "unfused",
-    dot: str = "fp16",
-    overflow: str = "inf",
+    rounding: str | None = None,
+    dot: str | None = None,
+    overflow: str | None = None,
 ) -> np.ndarray:
     """Execute one ``vmadot{signedness}.hp`` on register images and return the new ``vd``.
 
@@ -228,7 +231,8 @@ def vmadot_hp(
         signedness: ``"u"`` (vmadotu.hp), ``"us"``, ``"su"`` (vmadotsu.hp: signed A x unsigned
             B) or ``"ss"`` (vmadot.hp).
         int4: i4 form (K = 32 per tile) or i8 form (K = 16).
-        rounding, dot, overflow: the open details, see :mod:`npusim.q4x32.options`.
+        rounding, dot, overflow: the open details, see :mod:`npusim.q4x32.options`; None: the
+            current default.
 
     Returns:
         The new vd: float16 array of 64 values (``vd.tobytes()`` is the register image).
@@ -238,7 +242,7 @@ def vmadot_hp(
             unknown ``signedness``.
         OptionError: an unknown rounding option.
     """
-    mode = HpMode(rounding=rounding, dot=dot, overflow=overflow)  # type: ignore[arg-type]
+    mode = HpMode.current(rounding, dot, overflow)
     if signedness not in SIGNEDNESS:
         raise InstructionError(f"signedness={signedness!r} is not one of 'u', 'us', 'su', 'ss'")
     if not isinstance(imm3, (int, np.integer)) or not 0 <= int(imm3) <= 7:
@@ -334,13 +338,14 @@ def format_hp(insn: HpInstruction) -> str:
     )
 
 
-def execute_hp(word: int, vregs: np.ndarray, **mode: str) -> np.ndarray:
+def execute_hp(word: int, vregs: np.ndarray, **mode: str | None) -> np.ndarray:
     """Apply one ``.hp`` instruction word to a register file, as a SIGILL emulator would.
 
     Args:
         word: the 32-bit instruction.
         vregs: uint8 array of shape (32, 128): v0..v31 at VLEN 1024. Not modified.
-        **mode: ``rounding``, ``dot``, ``overflow`` (see :mod:`npusim.q4x32.options`).
+        **mode: ``rounding``, ``dot``, ``overflow`` (see :mod:`npusim.q4x32.options`; unset or
+            None: the current default).
 
     Returns:
         A new (32, 128) uint8 register file with ``vd`` replaced (all sources are read before

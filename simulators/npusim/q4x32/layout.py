@@ -45,7 +45,7 @@ import numpy as np
 
 from .checks import QK, check_k
 from .errors import LayoutError, ShapeMismatchError
-from .quant import ROW_GROUP, SUBBLOCKS, SUPERBLOCK_K, QuantizedA, _check_weight_pair, n_superblocks
+from .quant import ROW_GROUP, SUBBLOCKS, SUPERBLOCK_K, QuantizedA, _check_weight_pair, n_grouped_rows, n_superblocks
 
 __all__ = [
     "A_BLOCK_BYTES",
@@ -257,21 +257,23 @@ def pack_a(qa: QuantizedA) -> bytes:
     return data
 
 
-def unpack_a(buf: object, m: int, k: int) -> QuantizedA:
+def unpack_a(buf: object, m: int, k: int, *, m4: str | None = None) -> QuantizedA:
     """Inverse of :func:`pack_a`: decode ``M`` rows of quantized A for reduction length ``K``.
 
-    Rows ``0 .. 4*(M//4)-1`` are decoded as 4-row groups and the rest as single rows (the same
-    split :func:`~npusim.q4x32.quant.quantize_a` makes). Unused slots are ignored.
+    With ``m4="grouped"`` rows ``0 .. 4*(M//4)-1`` are decoded as 4-row groups and the rest as
+    single rows (the same split :func:`~npusim.q4x32.quant.quantize_a` makes); with
+    ``"rowwise"`` every row as a single row; None: the current default. Unused slots are ignored.
 
     Raises:
         LayoutError: ``buf`` is not ``a_packed_size(M, K)`` bytes.
         KDimensionError: K is not a positive multiple of 32.
+        OptionError: an unknown ``m4``.
     """
     size = a_packed_size(m, k)
     arr = _buffer(buf, size, f"quantized A for M={m}, K={k}")
     s = n_superblocks(k)
-    g = m // ROW_GROUP
-    ng = g * ROW_GROUP
+    ng = n_grouped_rows(m, m4)
+    g = ng // ROW_GROUP
     q = np.empty((m, s, SUBBLOCKS, QK), dtype=np.uint8)
     rel = np.empty((m, s, SUBBLOCKS), dtype=np.float16)
     asum8 = np.empty((m, s, SUBBLOCKS), dtype=np.float16)

@@ -30,7 +30,8 @@ Activations (the kernel's ``quantize_a_row_i8_hp`` / ``quantize_a_4row_i8_hp``, 
 * Rows ``0 .. 4*(M//4) - 1`` are quantized in groups of 4 that share ``scale_j``/``rel_j`` and
   ``scale_avg`` (``quantize_a_4row_i8_hp``); the ``M % 4`` remaining rows one at a time
   (``quantize_a_row_i8_hp``), as ggml's ``ime.cpp`` does. So a row quantizes differently in a
-  full group of 4 than as a remainder row.
+  full group of 4 than as a remainder row. That is option ``m4="grouped"`` (the built-in
+  default); ``m4="rowwise"`` quantizes every row alone (:mod:`npusim.q4x32.options`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import numpy as np
 from .checks import QK, check_dtype, check_finite, check_k, check_ndim
 from .errors import ShapeMismatchError
 from .fp16 import mul_f16, to_f16
+from .options import resolve
 
 __all__ = [
     "SUPERBLOCK_K",
@@ -238,11 +240,23 @@ def _rvv_narrow_to_i8(v: np.ndarray) -> np.ndarray:
     return (r & 0xFF).astype(np.uint8).view(np.int8)
 
 
-def quantize_a(a: np.ndarray) -> QuantizedA:
+def n_grouped_rows(m: int, m4: str | None = None) -> int:
+    """Rows quantized (and computed) in 4-row groups: ``4 * (M // 4)`` for ``m4="grouped"``, 0 for
+    ``"rowwise"``; None: the current default.
+
+    Raises:
+        OptionError: an unknown ``m4``.
+    """
+    return ROW_GROUP * (m // ROW_GROUP) if resolve("m4", m4) == "grouped" else 0
+
+
+def quantize_a(a: np.ndarray, *, m4: str | None = None) -> QuantizedA:
     """Quantize activation rows exactly as the kernel does (see the module docstring).
 
     Args:
         a: float32 ``[M, K]``, K a positive multiple of 32, all finite. M may be 0.
+        m4: ``"grouped"`` (4-row groups first, then single rows) or ``"rowwise"`` (every row
+            alone); None: the current default (:mod:`npusim.q4x32.options`).
 
     Returns:
         :class:`QuantizedA`; :func:`npusim.q4x32.layout.pack_a` serializes it to the kernel's
@@ -253,6 +267,7 @@ def quantize_a(a: np.ndarray) -> QuantizedA:
         ShapeMismatchError: ``a`` is not 2-D.
         KDimensionError: K is not a positive multiple of 32.
         NonFiniteError: ``a`` holds NaN/Inf.
+        OptionError: an unknown ``m4``.
     """
     a = np.asarray(a)
     check_dtype("A", a, (np.float32,))
@@ -260,6 +275,7 @@ def quantize_a(a: np.ndarray) -> QuantizedA:
     m, k = a.shape
     check_k(k, f"A of shape {(m, k)}")
     check_finite("A", a)
+    ng = n_grouped_rows(m, m4)
     s = n_superblocks(k)
     kp = s * SUPERBLOCK_K
     ap = np.zeros((m, kp), dtype=_F32)
@@ -267,8 +283,7 @@ def quantize_a(a: np.ndarray) -> QuantizedA:
     blocks = ap.reshape(m, s, SUBBLOCKS, QK)
 
     amax = np.abs(blocks).max(axis=-1) if m else np.zeros((0, s, SUBBLOCKS), _F32)  # [M, S, 8]
-    g = m // ROW_GROUP
-    ng = g * ROW_GROUP
+    g = ng // ROW_GROUP
     if g:
         gmax = amax[:ng].reshape(g, ROW_GROUP, s, SUBBLOCKS).max(axis=1)
         amax = amax.copy()

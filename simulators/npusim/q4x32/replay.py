@@ -41,8 +41,8 @@ from .layout import (
     a_packed_size,
     b_packed_size,
 )
-from .options import ORDERS, HpMode, check_option
-from .quant import ROW_GROUP, SUBBLOCKS, n_superblocks
+from .options import HpMode, resolve
+from .quant import ROW_GROUP, SUBBLOCKS, n_grouped_rows, n_superblocks
 
 __all__ = ["replay_gemm"]
 
@@ -162,10 +162,11 @@ def replay_gemm(
     k: int,
     n: int,
     *,
-    rounding: str = "unfused",
-    dot: str = "fp16",
-    overflow: str = "inf",
-    order: str = "hi_lo",
+    rounding: str | None = None,
+    dot: str | None = None,
+    overflow: str | None = None,
+    order: str | None = None,
+    m4: str | None = None,
 ) -> np.ndarray:
     """Run the HP GEMM instruction by instruction on packed bytes.
 
@@ -174,6 +175,9 @@ def replay_gemm(
         b_bytes: packed B, :func:`npusim.q4x32.layout.pack_b` (``b_packed_size(N, K)`` bytes).
         m, k, n: the GEMM shape.
         rounding, dot, overflow, order: as for :func:`npusim.q4x32.gemm.ime2_hp_gemm`.
+        m4: how ``a_bytes`` groups its rows (``"grouped"``: 4-row groups first, as
+            :func:`~npusim.q4x32.layout.pack_a` wrote them) and which kernel runs them.
+        Options left None take the current default.
 
     Returns:
         float32 ``[M, N]``.
@@ -184,8 +188,8 @@ def replay_gemm(
     """
     from .errors import LayoutError
 
-    mode = HpMode(rounding=rounding, dot=dot, overflow=overflow)  # type: ignore[arg-type]
-    check_option("order", order, ORDERS)
+    mode = HpMode.current(rounding, dot, overflow)
+    order = resolve("order", order)
     a_buf = np.frombuffer(bytes(a_bytes), dtype=np.uint8)
     b_buf = np.frombuffer(bytes(b_bytes), dtype=np.uint8)
     if a_buf.size != a_packed_size(m, k):
@@ -196,7 +200,7 @@ def replay_gemm(
     row_stride = s_count * A_BLOCK_BYTES
     tile_stride = s_count * B_SUPERBLOCK_BYTES
     out = np.zeros((m, n), dtype=_F32)
-    n_grouped = ROW_GROUP * (m // ROW_GROUP)
+    n_grouped = n_grouped_rows(m, m4)
     starts = [(r, True) for r in range(0, n_grouped, ROW_GROUP)] + [(r, False) for r in range(n_grouped, m)]
     for r0, grouped in starts:
         rows = ROW_GROUP if grouped else 1
