@@ -93,6 +93,17 @@ def _ids_without_target(item: pytest.Item) -> str:
     return f"[{ids}]" if ids else ""
 
 
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """Under ``-n N --dist loadfile``: :class:`~npu_conformance.xdist_scheduling.LabAwareLoadFile`
+    (each target's lab servers start once). Other ``--dist`` modes: xdist's own scheduler."""
+    if config.getoption("dist", None) != "loadfile":
+        return None
+    from npu_conformance.xdist_scheduling import LabAwareLoadFile
+
+    return LabAwareLoadFile(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         callspec = getattr(item, "callspec", None)

@@ -128,3 +128,52 @@ def test_figure(target, record, n):
     report = json.loads((pytester.path / "out" / "report.json").read_text())
     got = {r["scenario"]: r["figures"]["n_squared"]["value"] for r in report["results"]}
     assert got == {f"scn.figure[{n}]": float(n * n) for n in range(4)}
+
+
+
+def test_loadfile_keeps_the_lab_scenarios_on_one_worker():
+    from xdist.scheduler import LoadFileScheduling
+
+    from npu_conformance import xdist_scheduling as xs
+
+    labs = xs.lab_modules()
+    assert {"test_serving.py", "test_mblt_serving.py", "test_rbln_serving.py", "test_neuron_serving.py"} <= labs
+    assert "test_ime2_tiles.py" not in labs
+    sched = xs.LabAwareLoadFile.__new__(xs.LabAwareLoadFile)  # _split_scope uses no other state
+    split = type(sched)._split_scope
+    ids = ["conformance/npu_conformance/scenarios/test_serving.py::test_load[mblt-sim]",
+           "conformance/npu_conformance/scenarios/test_rbln_serving.py::test_impl_matrix[rbln-sim]"]
+    assert {split(sched, i) for i in ids} == {xs.LAB_SCOPE}
+    other = "conformance/npu_conformance/scenarios/test_ime2_tiles.py::test_x[ime2-qemu]"
+    assert split(sched, other) == LoadFileScheduling._split_scope(sched, other)
+    assert split(sched, "tests/test_cli.py::test_a") == "tests/test_cli.py"
+    assert split(sched, "mine/test_serving.py::test_a") == "mine/test_serving.py"
+
+
+def test_loadfile_runs_the_lab_scenarios_on_one_worker(pytester, monkeypatch):
+    # Real xdist, the plugin's scheduler: two lab-using scenario modules (named as in the
+    # package) and two ordinary modules; every test writes the worker it ran on.
+    body = """
+import os, pathlib, pytest
+@pytest.mark.parametrize("i", range(4))
+def test_where(i, request):
+    out = pathlib.Path(os.environ["WHERE_DIR"]) / (request.node.nodeid.replace("/", "_") + ".txt")
+    out.write_text(os.environ.get("PYTEST_XDIST_WORKER", "none"))
+"""
+    scn = pytester.path / "npu_conformance" / "scenarios"
+    scn.mkdir(parents=True)
+    for name in ("test_serving.py", "test_rbln_serving.py"):
+        (scn / name).write_text(body)
+    pytester.makepyfile(test_mod_c=body, test_mod_d=body)
+    where = pytester.path / "where"
+    where.mkdir()
+    monkeypatch.setenv("WHERE_DIR", str(where))
+    result = pytester.runpytest_subprocess("-n", "2", "--dist", "loadfile", "-p", "no:cacheprovider",
+                                           "--rootdir", str(pytester.path), str(scn), ".")
+    result.assert_outcomes(passed=16)
+    workers: dict[str, set[str]] = {}
+    for f in where.iterdir():
+        workers.setdefault(f.name.rsplit("_", 1)[0].split(".py")[0], set()).add(f.read_text())
+    lab = set().union(*(w for k, w in workers.items() if "scenarios" in k))
+    assert len(lab) == 1, workers
+    assert all(len(w) == 1 and next(iter(w)).startswith("gw") for w in workers.values()), workers
