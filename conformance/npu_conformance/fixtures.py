@@ -79,26 +79,67 @@ def hf_model() -> Callable[..., Any]:
     return get
 
 
+class DeviceLabs:
+    """The session's device labs, by target name: ``labs(name) -> DeviceLab``.
+
+    A lab is made once per target per session (its artifacts are built once). Its servers run
+    only while that target's scenarios run: :meth:`stop` stops them once the last one of a
+    contiguous run of that target's scenarios is done (:func:`pytest_runtest_teardown` in the
+    plugin; the plugin also orders the lab-using scenarios target by target), so at most one
+    target's ``vllm serve`` processes hold memory at a time. A lab whose servers were stopped
+    starts them again when asked (correct, only slower).
+    """
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp = tmp_path_factory
+        self._labs: dict[str, Any] = {}
+
+    def __call__(self, name: str) -> Any:
+        """The lab of target ``name``.
+
+        Raises:
+            npu_conformance.devices.NoDeviceLab: the target's device has no lab (yet).
+        """
+        if name not in self._labs:
+            from npu_conformance import devices
+            from npu_conformance.targets import TARGETS
+
+            cls = devices.lab_class(TARGETS[name].device)
+            self._labs[name] = cls(name, self._tmp.mktemp(f"{TARGETS[name].device}-{name}"))
+        return self._labs[name]
+
+    def running(self) -> list[str]:
+        """Targets whose lab has at least one server process (alive or not yet reaped)."""
+        return [name for name, lab in self._labs.items() if lab.servers]
+
+    def stop(self, name: str) -> None:
+        """Stop target ``name``'s servers (no-op for a target without a lab yet)."""
+        lab = self._labs.get(name)
+        if lab is not None:
+            lab.close()
+
+    def close(self) -> None:
+        """Stop every lab's servers."""
+        for lab in self._labs.values():
+            lab.close()
+
+
+#: Where :func:`device_labs` leaves its :class:`DeviceLabs` for the plugin's teardown hook.
+LABS_KEY = pytest.StashKey[DeviceLabs]()
+
+
 @pytest.fixture(scope="session")
-def device_labs(tmp_path_factory: pytest.TempPathFactory):
-    """Factory ``device_labs(target_name) -> npu_conformance.devices.base.DeviceLab``: one per
-    target per session (artifacts built once, servers started once, shared by the serving
-    suite and the device's own scenarios); every server is stopped at the end.
+def device_labs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Factory ``device_labs(target_name) -> npu_conformance.devices.base.DeviceLab``: one
+    :class:`DeviceLabs` per session (artifacts built once per target, shared by the serving
+    suite and the device's own scenarios). A target's servers are stopped after its last
+    scenario in a row, every server at the end of the session.
 
     Raises:
         npu_conformance.devices.NoDeviceLab: the target's device has no lab (yet).
     """
-    from npu_conformance import devices
-    from npu_conformance.targets import TARGETS
-
-    labs: dict[str, Any] = {}
-
-    def get(name: str) -> Any:
-        if name not in labs:
-            cls = devices.lab_class(TARGETS[name].device)
-            labs[name] = cls(name, tmp_path_factory.mktemp(f"{TARGETS[name].device}-{name}"))
-        return labs[name]
-
-    yield get
-    for lab in labs.values():
-        lab.close()
+    labs = DeviceLabs(tmp_path_factory)
+    request.config.stash[LABS_KEY] = labs
+    yield labs
+    labs.close()
+    del request.config.stash[LABS_KEY]

@@ -17,7 +17,7 @@ import pytest
 from npu_conformance import report as report_mod
 from npu_conformance import results as res
 from npu_conformance import targets as tg
-from npu_conformance.fixtures import device_labs, golden_decoder, hf_model, tiny_model_dir  # noqa: F401
+from npu_conformance.fixtures import LABS_KEY, device_labs, golden_decoder, hf_model, tiny_model_dir  # noqa: F401
 
 _TARGETS_KEY = pytest.StashKey[list[str]]()
 
@@ -104,7 +104,45 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log):
     return LabAwareLoadFile(config, log)
 
 
+def lab_target(item: pytest.Item) -> str | None:
+    """The target whose device lab ``item`` uses (it takes ``device_labs`` and ``target``), else None."""
+    callspec = getattr(item, "callspec", None)
+    if callspec is None or "device_labs" not in getattr(item, "fixturenames", ()):
+        return None
+    return callspec.params.get("target")
+
+
+def order_lab_items(items: list[pytest.Item], targets: list[str]) -> list[pytest.Item]:
+    """``items`` with the lab-using ones (:func:`lab_target`) moved together, target by target
+    in ``targets`` order, at the place of the first of them; each target's keep their order,
+    and every other item keeps its place relative to the rest. So each target's servers start
+    once and stop before the next target's start."""
+    lab = [(targets.index(t) if t in targets else len(targets), i) for i, t in enumerate(map(lab_target, items)) if t]
+    if not lab:
+        return items
+    first = lab[0][1]
+    moved = [items[i] for _, i in sorted(lab)]
+    taken = {i for _, i in lab}
+    rest = [item for i, item in enumerate(items) if i not in taken]
+    at = sum(1 for i in range(first) if i not in taken)
+    return rest[:at] + moved + rest[at:]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    """After the last scenario in a row that uses a target's device lab, stop that lab's
+    servers (the next scenarios use another target or none), so one target's servers at a time
+    hold memory."""
+    result = yield
+    name = lab_target(item)
+    labs = item.config.stash.get(LABS_KEY, None)
+    if name is not None and labs is not None and (nextitem is None or lab_target(nextitem) != name):
+        labs.stop(name)
+    return result
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items[:] = order_lab_items(items, selected_targets(config))
     for item in items:
         callspec = getattr(item, "callspec", None)
         if callspec is None or "target" not in callspec.params:

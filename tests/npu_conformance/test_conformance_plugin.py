@@ -167,3 +167,95 @@ def test_the_plugin_gives_xdist_the_lab_aware_scheduler_for_loadfile_only(pytest
     for mode in ("load", "loadscope", "loadgroup", "no"):
         monkeypatch.setattr(pytestconfig.option, "dist", mode)
         assert impl(pytestconfig, None) is None, mode
+
+
+LAB_CONFTEST = '''
+import json, os
+from npu_conformance import devices, targets as tg
+from npu_conformance.devices.base import DeviceLab
+
+tg.availability = lambda name: tg.Availability(True, "forced by conftest")
+EVENTS = os.path.join(os.path.dirname(__file__), "events.jsonl")
+
+def log(*event):
+    with open(EVENTS, "a") as f:
+        f.write(json.dumps(event) + "\\n")
+
+class FakeServer:
+    def __init__(self, target):
+        self.target = target
+    def alive(self):
+        return True
+    def stop(self):
+        log("stop", self.target)
+
+class FakeLab(DeviceLab):
+    def serving_server(self):
+        key = "standard"
+        if key not in self.servers:
+            log("start", self.target)
+            self.servers[key] = FakeServer(self.target)
+        return self.servers[key]
+
+devices.lab_class = lambda device: FakeLab
+'''
+
+LAB_SCENARIOS = {
+    "test_a_suite": '''
+def test_one(target, device_labs):
+    device_labs(target.name).serving_server()
+
+def test_plain(target):
+    pass
+
+def test_two(target, device_labs):
+    device_labs(target.name).serving_server()
+''',
+    "test_b_device": '''
+def test_three(target, device_labs):
+    device_labs(target.name).serving_server()
+
+def test_no_lab():
+    pass
+''',
+}
+
+
+def _lab_events(pytester, *args):
+    pytester.makeconftest(LAB_CONFTEST)
+    pytester.makepyfile(**LAB_SCENARIOS)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--report", "out", *args)
+    events = [tuple(json.loads(line)) for line in (pytester.path / "events.jsonl").read_text().splitlines()]
+    return result, events
+
+
+def test_lab_scenarios_run_target_by_target_and_each_targets_servers_stop_before_the_next_start(pytester):
+    result, events = _lab_events(pytester, "--target", "ref", "--target", "mblt-sim")
+    result.assert_outcomes(passed=9)
+    # One start per target, and the first target's servers are stopped before the second's start:
+    # at most one target's servers at a time.
+    assert events == [("start", "ref"), ("stop", "ref"), ("start", "mblt-sim"), ("stop", "mblt-sim")]
+    ran = [line.split(" ")[0] for line in result.outlines if " PASSED" in line]
+    # The lab-using scenarios of both modules, target by target, where the first of them was;
+    # the rest after them in their own order.
+    assert ran == [
+        "test_a_suite.py::test_one[ref]", "test_a_suite.py::test_two[ref]", "test_b_device.py::test_three[ref]",
+        "test_a_suite.py::test_one[mblt-sim]", "test_a_suite.py::test_two[mblt-sim]",
+        "test_b_device.py::test_three[mblt-sim]",
+        "test_a_suite.py::test_plain[ref]", "test_a_suite.py::test_plain[mblt-sim]", "test_b_device.py::test_no_lab",
+    ]
+
+
+def test_a_lab_asked_again_after_its_servers_stopped_starts_them_again(pytester):
+    # Stopping keeps the lab (its artifacts); asking for its server again starts a new one.
+    pytester.makeconftest(LAB_CONFTEST)
+    pytester.makepyfile(test_c='''
+def test_both(device_labs):
+    device_labs("ref").serving_server()
+    device_labs.stop("ref")
+    device_labs("ref").serving_server()
+''')
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    events = [tuple(json.loads(line)) for line in (pytester.path / "events.jsonl").read_text().splitlines()]
+    assert events == [("start", "ref"), ("stop", "ref"), ("start", "ref"), ("stop", "ref")]

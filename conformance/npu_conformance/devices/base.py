@@ -120,6 +120,7 @@ class DeviceLab:
     workdir: Path
     servers: dict[str, vs.Server] = field(default_factory=dict)
     _refusals: int = 0
+    _started: int = 0
 
     #: The device family (``mblt``...).
     device: ClassVar[str] = ""
@@ -173,7 +174,8 @@ class DeviceLab:
         srv = self.servers.get(key)
         if srv is not None and srv.alive():
             return srv
-        log = self.workdir / f"serve-{len(self.servers)}.log"
+        log = self.workdir / f"serve-{self._started}.log"  # a restarted server gets a new log
+        self._started += 1
         srv = vs.start(artifact, args, env=self.env(**env), log=log)
         self.servers[key] = srv
         return srv
@@ -203,6 +205,7 @@ class DeviceLab:
         raise AssertionError(f"vllm serve {artifact} {' '.join(args)} started; expected a refusal")
 
     def close(self) -> None:
+        """Stop every server of this lab (its artifacts stay; :meth:`server` starts again)."""
         for srv in self.servers.values():
             srv.stop()
         self.servers.clear()
