@@ -108,10 +108,6 @@ class DeviceLabs:
             self._labs[name] = cls(name, self._tmp.mktemp(f"{TARGETS[name].device}-{name}"))
         return self._labs[name]
 
-    def running(self) -> list[str]:
-        """Targets whose lab has at least one server process (alive or not yet reaped)."""
-        return [name for name, lab in self._labs.items() if lab.servers]
-
     def stop(self, name: str) -> None:
         """Stop target ``name``'s servers (no-op for a target without a lab yet)."""
         lab = self._labs.get(name)

@@ -221,12 +221,16 @@ def test_no_lab():
 }
 
 
+def _events(pytester):
+    """The fake lab's ``(start|stop, target)`` events, in order."""
+    return [tuple(json.loads(line)) for line in (pytester.path / "events.jsonl").read_text().splitlines()]
+
+
 def _lab_events(pytester, *args):
     pytester.makeconftest(LAB_CONFTEST)
     pytester.makepyfile(**LAB_SCENARIOS)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-v", "--report", "out", *args)
-    events = [tuple(json.loads(line)) for line in (pytester.path / "events.jsonl").read_text().splitlines()]
-    return result, events
+    return result, _events(pytester)
 
 
 def test_lab_scenarios_run_target_by_target_and_each_targets_servers_stop_before_the_next_start(pytester):
@@ -257,5 +261,4 @@ def test_both(device_labs):
 ''')
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
-    events = [tuple(json.loads(line)) for line in (pytester.path / "events.jsonl").read_text().splitlines()]
-    assert events == [("start", "ref"), ("stop", "ref"), ("start", "ref"), ("stop", "ref")]
+    assert _events(pytester) == [("start", "ref"), ("stop", "ref"), ("start", "ref"), ("stop", "ref")]
