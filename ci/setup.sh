@@ -17,11 +17,13 @@ say() { printf '[setup] %s\n' "$*"; }
 
 inputs_hash() {
   { cat ci/setup.sh ci/pick-cc.sh ci/apt-packages.txt requirements/lock.txt requirements/vendor-nodeps.txt pyproject.toml \
-        tools/vllm-dist-metadata/pyproject.toml
+        setup.py MANIFEST.in tools/vllm-dist-metadata/pyproject.toml
     find kernels/ime2 -type f -not -path 'kernels/ime2/build/*' | LC_ALL=C sort | xargs cat; } | sha256sum | cut -d' ' -f1
 }
 HASH=$(inputs_hash)
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$HASH" ]]; then
+  # The riscv64 driver lives in the user cache (keyed by the kernel sources): rebuild it if gone.
+  "$VENV/bin/npu-harness" ime2 build-driver --quiet
   exit 0
 fi
 
@@ -79,8 +81,8 @@ say "installing the vendor-name alias hook (NPU_HARNESS_TARGET=rbln-sim: import 
 HOST_CC=$(bash ci/pick-cc.sh) || exit 1
 say "building the IME2 kernel with $HOST_CC (kernels/ime2 -> plugins/vllm_npu/ime2/_build)"
 make -s -C kernels/ime2 CC="$HOST_CC" OUT="$ROOT/plugins/vllm_npu/ime2/_build"
-say "building the riscv64 IME2 test driver (kernels/ime2 -> plugins/vllm_npu/ime2/_build/riscv64)"
-make -s -C kernels/ime2 riscv64 OUT="$ROOT/plugins/vllm_npu/ime2/_build/riscv64"
+say "building the riscv64 IME2 test driver into the user cache (npu-harness ime2 build-driver)"
+"$VENV/bin/npu-harness" ime2 build-driver
 
 # ---- 3. Checks -----------------------------------------------------------------------
 "$VENV/bin/python" - <<'PY'

@@ -23,12 +23,21 @@ def test_doctor_lists_every_target_with_a_reason():
     assert proc.returncode == 0, proc.stderr
     host, targets = proc.stdout.strip().split("\n\n")
     assert [line.split(":")[0] for line in host.splitlines()] == [
-        "cpu", "vllm-kernels", "ime2-x86", "alias qbruntime", "alias rebel"]
+        "npu-harness", "vllm", "cpu", "vllm-kernels", "ime2-x86", "alias qbruntime", "alias rebel"]
+    assert host.splitlines()[1].startswith("vllm:") and "supported by mblt, rbln, neuron, ime2" in host
+
     lines = targets.splitlines()
     assert [line.split()[0] for line in lines] == list(TARGETS)
     for line in lines:
         name, state, reason = line.split(maxsplit=2)
         assert state in ("available", "unavailable") and reason
+
+
+def test_version_is_the_installed_distributions():
+    from importlib.metadata import version
+
+    proc = _cli("--version")
+    assert proc.returncode == 0 and proc.stdout.strip() == f"npu-harness {version('npu-harness')}"
 
 
 def test_make_model_is_deterministic_for_a_seed(tmp_path):

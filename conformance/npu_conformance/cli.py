@@ -164,6 +164,20 @@ def _cmd_rbln_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ime2_build_driver(args: argparse.Namespace) -> int:
+    from npu_conformance import qemu_ime2
+    from vllm_npu.ime2.sources import KernelSourcesMissingError
+
+    try:
+        path = qemu_ime2.build_driver(force=args.force)
+    except (qemu_ime2.DriverBuildError, KernelSourcesMissingError, OSError) as exc:
+        print(f"npu-harness ime2 build-driver: {exc}", file=sys.stderr)
+        return 2
+    if not args.quiet:
+        print(f"riscv64 IME2 driver: {path}")
+    return 0
+
+
 def _cmd_neuron_plan(args: argparse.Namespace) -> int:
     from vllm_npu.neuron.plan_cli import main as plan_main
 
@@ -175,6 +189,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="npu-harness",
         description="vLLM NPU plugins, device simulators and their conformance suite.",
     )
+    from npu_conformance.version import harness_version
+
+    parser.add_argument("--version", action="version", version=f"npu-harness {harness_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     conf = sub.add_parser("conformance", help="run the conformance suite and write the report")
@@ -255,6 +272,13 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--optimum-overrides", metavar="JSON",
                     help="JSON object laid over the derived rbln_config; may not change derived values")
     rc.set_defaults(func=_cmd_rbln_compile)
+    ime2 = sub.add_parser("ime2", help="SpacemiT K3 IME2 kernel: the riscv64 QEMU driver")
+    ime2_sub = ime2.add_subparsers(dest="ime2_command", required=True, metavar="IME2_COMMAND")
+    bd = ime2_sub.add_parser("build-driver", help="cross-build the riscv64 driver (ime2-qemu target) into "
+                                                  "the user cache directory; a no-op when built")
+    bd.add_argument("--force", action="store_true", help="rebuild even when the driver exists")
+    bd.add_argument("--quiet", action="store_true", help="print nothing on success")
+    bd.set_defaults(func=_cmd_ime2_build_driver)
     neuron = sub.add_parser("neuron", help="AWS Neuron plugin (vllm_npu.neuron): the plan of a configuration")
     neuron_sub = neuron.add_subparsers(dest="neuron_command", required=True, metavar="NEURON_COMMAND")
     np_ = neuron_sub.add_parser("plan", help="print the Neuron plan (compile targets, KV budget and blocks, "

@@ -65,6 +65,32 @@ def _alias_lines() -> list[tuple[str, str]]:
 
 
 def host_lines() -> list[tuple[str, str]]:
-    """``(label, text)`` pairs: ``cpu``, ``vllm-kernels``, ``ime2-x86``, then one
+    """``(label, text)`` pairs: ``npu-harness`` (version, install kind), ``vllm``, ``cpu``,
+    ``vllm-kernels``, ``ime2-x86``, then one
     ``alias <name>`` per vendor-name alias (``alias qbruntime``, ``alias rebel``)."""
-    return [*_isa_lines(), _ime2_line(), *_alias_lines()]
+    return [_harness_line(), _vllm_line(), *_isa_lines(), _ime2_line(), *_alias_lines()]
+
+
+def _vllm_line() -> tuple[str, str]:
+    """The vLLM found (read without importing it) and which plugins accept it."""
+    try:
+        from vllm_npu import vllm_version as vv
+
+        found = vv.find_installed_vllm()
+    except Exception as exc:  # noqa: BLE001
+        return ("vllm", f"unknown: {type(exc).__name__}: {exc}")
+    if found is None:
+        return ("vllm", "not installed (the vLLM plugins and serving targets need one: "
+                        "docs/architecture.md, 'Supported vLLM versions')")
+    ok = [p for p, rule in vv.SUPPORTED.items() if rule.accepts(found.version)]
+    refused = {p: rule.describe() for p, rule in vv.SUPPORTED.items() if p not in ok}
+    text = f"{found.version}: " + (f"supported by {', '.join(ok)}" if ok else "supported by no plugin")
+    if refused:
+        text += "; refused by " + ", ".join(f"{p} (needs {d})" for p, d in refused.items())
+    return ("vllm", text)
+
+
+def _harness_line() -> tuple[str, str]:
+    from npu_conformance.version import harness_version, install_kind
+
+    return ("npu-harness", f"{harness_version()} ({install_kind()})")

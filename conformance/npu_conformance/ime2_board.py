@@ -601,14 +601,14 @@ def run_hp_qemu(cases: Sequence[HpCase], *, env: Mapping[str, str] | None = None
 
 
 def hp_probe_path() -> Path:
-    """The native probe: ``$NPU_IME2_HP_PROBE``, else ``plugins/vllm_npu/ime2/_build/npu_ime2_hp_probe``
-    (next to the host library the board build writes)."""
+    """The native probe: ``$NPU_IME2_HP_PROBE``, else ``npu_ime2_hp_probe`` beside the host library
+    (where the riscv64 host build, the board build, writes it)."""
     env = os.environ.get(HP_PROBE_ENV)
     if env:
         return Path(env)
-    from npu_conformance import qemu_ime2
+    from vllm_npu.ime2 import kernel
 
-    return qemu_ime2.driver_path().parent.parent / HP_PROBE_NAME
+    return kernel.LIBRARY_PATH.parent / HP_PROBE_NAME
 
 
 def hp_probe_missing_reason() -> str | None:

@@ -1,7 +1,7 @@
 """Run the riscv64 IME2 kernel driver under ``qemu-riscv64-static`` (issue 3, section 3).
 
-The driver (``kernels/ime2/driver/driver.c``, built by ``bash ci/setup.sh`` or
-``make -C kernels/ime2 riscv64 OUT=plugins/vllm_npu/ime2/_build/riscv64``) is a static riscv64
+The driver (``kernels/ime2/driver/driver.c``, built by ``npu-harness ime2 build-driver``, which
+``bash ci/setup.sh`` runs, into a user cache directory: :func:`driver_path`) is a static riscv64
 binary holding the real kernel sources. :func:`run_driver` sends it one request (the
 little-endian format documented at the top of ``driver.c``), runs it under QEMU user mode with
 the requested VLEN and returns C. numpy only: no torch or vllm import.
@@ -9,7 +9,6 @@ the requested VLEN and returns C. numpy only: no torch or vllm import.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import struct
@@ -22,7 +21,16 @@ import numpy as np
 
 QEMU = "qemu-riscv64-static"
 DRIVER_NAME = "npu_ime2_driver"
-BUILD_COMMAND = "make -C kernels/ime2 riscv64 OUT=plugins/vllm_npu/ime2/_build/riscv64  (or: bash ci/setup.sh)"
+#: The Debian packages of the cross build (ci/apt-packages.txt holds them too).
+CROSS_PACKAGES = ("clang-19", "lld-19", "libc6-dev-riscv64-cross")
+#: The tools the cross build runs, and the cross glibc it links against.
+CROSS_TOOLS = ("make", "clang-19", "ld.lld-19")
+CROSS_GLIBC = Path("/usr/riscv64-linux-gnu/lib/libc.a")
+BUILD_COMMAND = ("npu-harness ime2 build-driver  (needs make, clang-19, lld-19 and the riscv64 cross glibc: "
+                 f"apt-get install {' '.join(CROSS_PACKAGES)})")
+#: Environment variable naming the cache root (default $XDG_CACHE_HOME/npu-harness, else
+#: ~/.cache/npu-harness).
+CACHE_ENV = "NPU_HARNESS_CACHE_DIR"
 #: Environment variable overriding the driver location.
 DRIVER_ENV = "NPU_IME2_QEMU_DRIVER"
 #: VLENs QEMU 7.2 accepts (bits).
@@ -90,24 +98,65 @@ def vlenb(vlen: int) -> int:
     return vlen // 8
 
 
-def driver_path() -> Path:
-    """Where the built riscv64 driver is (it may not exist; see :data:`BUILD_COMMAND`).
+def cache_root() -> Path:
+    """``$NPU_HARNESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/npu-harness``, else ``~/.cache/npu-harness``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "npu-harness"
 
-    ``$NPU_IME2_QEMU_DRIVER`` when set, else ``plugins/vllm_npu/ime2/_build/riscv64/npu_ime2_driver``
-    located through the ``vllm_npu`` package (not imported), else relative to this checkout.
+
+def build_dir() -> Path:
+    """``<cache_root>/ime2-riscv64/<digest of the kernel sources>``: where the driver and its
+    probe are built (a driver of other sources lives in another directory and is never used).
+
+    Raises:
+        vllm_npu.ime2.sources.KernelSourcesMissingError: no kernel sources to take a digest of.
     """
+    from vllm_npu.ime2 import sources
+
+    return cache_root() / "ime2-riscv64" / sources.source_digest()
+
+
+def driver_path() -> Path:
+    """Where the built riscv64 driver is (it may not exist; see :data:`BUILD_COMMAND`):
+    ``$NPU_IME2_QEMU_DRIVER`` when set, else ``build_dir() / npu_ime2_driver``."""
     env = os.environ.get(DRIVER_ENV)
     if env:
         return Path(env)
-    try:
-        spec = importlib.util.find_spec("vllm_npu")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is not None and spec.submodule_search_locations:
-        base = Path(next(iter(spec.submodule_search_locations)))
-    else:
-        base = Path(__file__).resolve().parents[2] / "plugins" / "vllm_npu"
-    return base / "ime2" / "_build" / "riscv64" / DRIVER_NAME
+    return build_dir() / DRIVER_NAME
+
+
+class DriverBuildError(RuntimeError):
+    """The riscv64 driver could not be built: a tool is missing, or the build failed."""
+
+
+def build_driver(*, force: bool = False) -> Path:
+    """Cross-build the driver (and its emulator probe) into :func:`build_dir`; a no-op returning
+    the path when the driver is already there (unless ``force``).
+
+    Raises:
+        DriverBuildError: make, clang-19, ld.lld-19 or the cross glibc is missing (named, with
+            the Debian packages), or make fails (its output in the message).
+    """
+    from vllm_npu.ime2 import sources
+
+    out = build_dir()
+    driver = out / DRIVER_NAME
+    if driver.is_file() and not force:
+        return driver
+    missing = [t for t in CROSS_TOOLS if shutil.which(t) is None]
+    if not CROSS_GLIBC.is_file():
+        missing.append(f"the riscv64 cross glibc ({CROSS_GLIBC})")
+    if missing:
+        raise DriverBuildError(f"cannot build the riscv64 driver: missing {', '.join(missing)}; "
+                               f"install with: apt-get install {' '.join(CROSS_PACKAGES)}")
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = ["make", "-s", "-C", str(sources.kernel_source_dir()), "riscv64", f"OUT={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not driver.is_file():
+        raise DriverBuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+    return driver
 
 
 def qemu_path() -> str | None:

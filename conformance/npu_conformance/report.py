@@ -13,6 +13,7 @@ from typing import Any
 
 from npu_conformance import results as res
 from npu_conformance import targets as tg
+from npu_conformance.version import harness_version
 
 SCHEMA_VERSION = 1
 #: Where reports go when no directory is given (relative to the pytest rootdir or the cwd).
@@ -31,6 +32,7 @@ def build(
         "schema": SCHEMA_VERSION,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "started": _dt.datetime.fromtimestamp(started, _dt.timezone.utc).isoformat(timespec="seconds"),
+        "harness": {"version": harness_version()},
         "machine": {"node": platform.node(), "machine": platform.machine(),
                     "python": platform.python_version()},
         "targets": [
@@ -66,6 +68,7 @@ def format_text(report: dict[str, Any]) -> str:
     s = report["summary"]
     out.append("")
     out.append(", ".join(f"{s[k]} {k}" for k in res.STATUSES))
+    out.append(f"npu-harness {report.get('harness', {}).get('version', 'unknown')}")
     return "\n".join(out)
 
 
@@ -91,7 +94,8 @@ def format_markdown(report: dict[str, Any]) -> str:
         md += ["", "## Failures", ""]
         md += [f"- `{r['scenario']}` on `{r['target']}`: {r['message']}" for r in failed]
     m = report["machine"]
-    md += ["", f"Machine: {m['node']} ({m['machine']}, Python {m['python']})."]
+    md += ["", f"Machine: {m['node']} ({m['machine']}, Python {m['python']}); "
+               f"npu-harness {report.get('harness', {}).get('version', 'unknown')}."]
     return "\n".join(md) + "\n"
 
 

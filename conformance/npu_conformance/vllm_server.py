@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -36,9 +35,19 @@ class ServerError(RuntimeError):
         self.returncode = returncode
 
 
-def vllm_command() -> str:
-    """The ``vllm`` console script of this environment."""
-    return shutil.which("vllm") or str(Path(sys.executable).with_name("vllm"))
+def vllm_command() -> list[str]:
+    """The command that runs this environment's ``vllm`` CLI, as an argument list.
+
+    The ``vllm`` console script beside this interpreter when there is one (a virtual
+    environment's ``bin/``), else this interpreter running vLLM's CLI module (an environment
+    whose vLLM came without the script, e.g. one that reaches vLLM through a ``.pth``). Never a
+    ``vllm`` found elsewhere on ``PATH``: that one would run another environment's Python,
+    plugins and vLLM.
+    """
+    script = Path(sys.executable).with_name("vllm")
+    if script.is_file() and os.access(script, os.X_OK):
+        return [str(script)]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
 def vllm_env(target: str | None = None, **extra: str) -> dict[str, str]:
@@ -126,7 +135,7 @@ def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[st
             stopped; the message carries the log's last 4000 characters).
     """
     port = free_port()
-    cmd = [*(command or [vllm_command()]), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    cmd = [*(command or vllm_command()), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
         proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env))

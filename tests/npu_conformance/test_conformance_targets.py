@@ -51,7 +51,7 @@ def test_ime2_qemu_probe_names_what_is_missing(tmp_path, monkeypatch):
     avail = tg._probe_ime2_qemu()
     assert not avail.available
     assert str(tmp_path / "npu_ime2_driver") in avail.reason
-    assert "make -C kernels/ime2 riscv64 OUT=plugins/vllm_npu/ime2/_build/riscv64" in avail.reason
+    assert "npu-harness ime2 build-driver" in avail.reason and "clang-19" in avail.reason
     monkeypatch.setattr(qemu_ime2.shutil, "which", lambda name: None)
     avail = tg._probe_ime2_qemu()
     assert not avail.available and avail.reason.startswith("qemu-riscv64-static is not on PATH")

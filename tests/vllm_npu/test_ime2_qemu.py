@@ -1,7 +1,7 @@
 """The riscv64 build of kernels/ime2 under qemu-riscv64-static (issue 3, section 3; portable path).
 
 The static riscv64 driver (``kernels/ime2/driver/driver.c``, built by the set-up into
-``plugins/vllm_npu/ime2/_build/riscv64``) runs the real kernel sources under QEMU user mode at
+the user cache, ``npu-harness ime2 build-driver``) runs the real kernel sources under QEMU user mode at
 VLEN 128..1024. Its output must equal the host build of the same sources and
 ``npusim.q4x32.ime2_hp_gemm(level="hardware")`` bit for bit; the driver's 4 KiB guard regions
 around C and the packed operands must come back untouched; errors come back as statuses, never

@@ -111,7 +111,7 @@ class _Side:
 
     def __init__(self, model: Path, args: list[str], log: Path, until: str | None = None) -> None:
         port = vllm_server.free_port()
-        cmd = [vllm_server.vllm_command(), "serve", str(model), "--host", "127.0.0.1",
+        cmd = [*vllm_server.vllm_command(), "serve", str(model), "--host", "127.0.0.1",
                "--port", str(port), *args]
         self.log = log
         self.until = until

@@ -35,6 +35,10 @@ import logging
 import threading
 from typing import Any
 
+from vllm_npu.vllm_version import require_supported_vllm
+
+require_supported_vllm("ime2")  # before any vLLM import: another vLLM is refused by name
+
 import torch
 from vllm.model_executor.layers.linear import WEIGHT_LOADER_V2_SUPPORTED, LinearBase, LinearMethodBase
 from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config

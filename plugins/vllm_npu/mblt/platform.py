@@ -21,6 +21,10 @@ import logging
 import os
 from typing import Any
 
+from vllm_npu.vllm_version import require_supported_vllm
+
+require_supported_vllm("mblt")  # before any vLLM import: another vLLM is refused by name
+
 from vllm.exceptions import VLLMValidationError
 
 from vllm_npu._platform import NpuPlatform, refuse_unsampled

@@ -33,6 +33,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vllm_npu.vllm_version import require_supported_vllm
+
+require_supported_vllm("neuron")  # before any vLLM import: another vLLM is refused by name
+
 from vllm_npu._platform import NpuPlatform
 
 logger = logging.getLogger("vllm.vllm_npu.neuron")

@@ -25,6 +25,10 @@ import os
 from pathlib import Path
 from typing import Any
 
+from vllm_npu.vllm_version import require_supported_vllm
+
+require_supported_vllm("rbln")  # before any vLLM import: another vLLM is refused by name
+
 from vllm_npu._platform import NpuPlatform, refuse_unsampled
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
