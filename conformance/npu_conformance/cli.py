@@ -165,16 +165,31 @@ def _cmd_rbln_compile(args: argparse.Namespace) -> int:
 
 
 def _cmd_ime2_build_driver(args: argparse.Namespace) -> int:
+    """``npu-harness ime2 build-driver``: :func:`npu_conformance.qemu_ime2.build_driver`.
+
+    Prints ``riscv64 IME2 driver: <path>`` on success or when it is already built (nothing with
+    ``--quiet``); a progress line on stderr before a build. Exit 2 with the reason on stderr when
+    it cannot be built (a missing tool named with its Debian package, make's output).
+    """
+    import os
+
     from npu_conformance import qemu_ime2
-    from vllm_npu.ime2.sources import KernelSourcesMissingError
+    from vllm_npu.ime2.sources import KernelSourcesMissingError, kernel_source_dir
 
     try:
+        if not args.quiet and (args.force or not qemu_ime2.is_built()):
+            print(f"npu-harness ime2 build-driver: cross-building the riscv64 driver from {kernel_source_dir()} "
+                  f"into {qemu_ime2.build_dir()}", file=sys.stderr)
         path = qemu_ime2.build_driver(force=args.force)
     except (qemu_ime2.DriverBuildError, KernelSourcesMissingError, OSError) as exc:
         print(f"npu-harness ime2 build-driver: {exc}", file=sys.stderr)
         return 2
     if not args.quiet:
         print(f"riscv64 IME2 driver: {path}")
+        override = os.environ.get(qemu_ime2.DRIVER_ENV)
+        if override and Path(override) != path:
+            print(f"npu-harness ime2 build-driver: note: ${qemu_ime2.DRIVER_ENV}={override} is set, so the "
+                  "ime2-qemu target runs that driver instead", file=sys.stderr)
     return 0
 
 
@@ -277,7 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     bd = ime2_sub.add_parser("build-driver", help="cross-build the riscv64 driver (ime2-qemu target) into "
                                                   "the user cache directory; a no-op when built")
     bd.add_argument("--force", action="store_true", help="rebuild even when the driver exists")
-    bd.add_argument("--quiet", action="store_true", help="print nothing on success")
+    bd.add_argument("--quiet", action="store_true", help="print nothing on success (errors still go to stderr)")
     bd.set_defaults(func=_cmd_ime2_build_driver)
     neuron = sub.add_parser("neuron", help="AWS Neuron plugin (vllm_npu.neuron): the plan of a configuration")
     neuron_sub = neuron.add_subparsers(dest="neuron_command", required=True, metavar="NEURON_COMMAND")

@@ -13,6 +13,7 @@ import os
 import shutil
 import struct
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,13 +22,22 @@ import numpy as np
 
 QEMU = "qemu-riscv64-static"
 DRIVER_NAME = "npu_ime2_driver"
-#: The Debian packages of the cross build (ci/apt-packages.txt holds them too).
-CROSS_PACKAGES = ("clang-19", "lld-19", "libc6-dev-riscv64-cross")
-#: The tools the cross build runs, and the cross glibc it links against.
-CROSS_TOOLS = ("make", "clang-19", "ld.lld-19")
-CROSS_GLIBC = Path("/usr/riscv64-linux-gnu/lib/libc.a")
-BUILD_COMMAND = ("npu-harness ime2 build-driver  (needs make, clang-19, lld-19 and the riscv64 cross glibc: "
-                 f"apt-get install {' '.join(CROSS_PACKAGES)})")
+#: The tools the cross build runs (on PATH), each with its Debian package.
+CROSS_TOOLS = {"make": "make", "clang-19": "clang-19", "ld.lld-19": "lld-19"}
+#: The Debian riscv64 cross glibc (headers, crt1.o, libc.a) that the static driver links against.
+CROSS_SYSROOT = Path("/usr/riscv64-linux-gnu")
+CROSS_GLIBC = CROSS_SYSROOT / "lib" / "libc.a"
+#: The cross GCC's per-version directories (crtbeginT.o, libgcc.a), which clang also links in.
+CROSS_GCC_DIR = Path("/usr/lib/gcc-cross/riscv64-linux-gnu")
+#: Every Debian package of the cross build (all listed in ci/apt-packages.txt).
+CROSS_PACKAGES = ("make", "clang-19", "lld-19", "gcc-riscv64-linux-gnu", "libc6-dev-riscv64-cross")
+#: How to get the driver (printed wherever it is missing).
+BUILD_COMMAND = ("npu-harness ime2 build-driver  (needs clang-19, lld-19 and the riscv64 cross glibc: "
+                 f"sudo apt-get install {' '.join(CROSS_PACKAGES)})")
+#: The cache's subdirectory holding one directory per source digest.
+BUILD_SUBDIR = "ime2-riscv64"
+#: Variables of the caller's environment that would change the cross build; dropped for make.
+_SCRUBBED_ENV = ("MAKEFLAGS", "MFLAGS", "GNUMAKEFLAGS", "RV_CC", "RV_CFLAGS", "RV_RVV_FLAGS", "RV_IME2_FLAGS")
 #: Environment variable naming the cache root (default $XDG_CACHE_HOME/npu-harness, else
 #: ~/.cache/npu-harness).
 CACHE_ENV = "NPU_HARNESS_CACHE_DIR"
@@ -99,28 +109,36 @@ def vlenb(vlen: int) -> int:
 
 
 def cache_root() -> Path:
-    """``$NPU_HARNESS_CACHE_DIR``, else ``$XDG_CACHE_HOME/npu-harness``, else ``~/.cache/npu-harness``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV])
+    """The npu-harness cache directory (absolute): ``$NPU_HARNESS_CACHE_DIR`` when set, else
+    ``$XDG_CACHE_HOME/npu-harness``, else ``~/.cache/npu-harness``. It may not exist yet."""
+    own = os.environ.get(CACHE_ENV)
+    if own:
+        return Path(own).expanduser().absolute()
     xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else Path.home() / ".cache") / "npu-harness"
+    return ((Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "npu-harness").absolute()
 
 
 def build_dir() -> Path:
-    """``<cache_root>/ime2-riscv64/<digest of the kernel sources>``: where the driver and its
-    probe are built (a driver of other sources lives in another directory and is never used).
+    """``<cache_root>/ime2-riscv64/<digest>``: where :func:`build_driver` puts the driver, its
+    emulator probe and their objects. ``<digest>`` is
+    :func:`vllm_npu.ime2.sources.source_digest` of the kernel sources this package would build
+    from, so a driver built from other sources lives in another directory and is never used.
 
     Raises:
         vllm_npu.ime2.sources.KernelSourcesMissingError: no kernel sources to take a digest of.
     """
     from vllm_npu.ime2 import sources
 
-    return cache_root() / "ime2-riscv64" / sources.source_digest()
+    return cache_root() / BUILD_SUBDIR / sources.source_digest()
 
 
 def driver_path() -> Path:
-    """Where the built riscv64 driver is (it may not exist; see :data:`BUILD_COMMAND`):
-    ``$NPU_IME2_QEMU_DRIVER`` when set, else ``build_dir() / npu_ime2_driver``."""
+    """Where the riscv64 driver is (it may not exist; see :data:`BUILD_COMMAND`):
+    ``$NPU_IME2_QEMU_DRIVER`` when set, else ``build_dir() / npu_ime2_driver``.
+
+    Raises:
+        vllm_npu.ime2.sources.KernelSourcesMissingError: no override and no kernel sources.
+    """
     env = os.environ.get(DRIVER_ENV)
     if env:
         return Path(env)
@@ -128,35 +146,133 @@ def driver_path() -> Path:
 
 
 class DriverBuildError(RuntimeError):
-    """The riscv64 driver could not be built: a tool is missing, or the build failed."""
+    """The riscv64 driver could not be built: a tool of the cross build is missing, the cache
+    directory is not writable, or ``make`` failed or timed out."""
 
 
-def build_driver(*, force: bool = False) -> Path:
-    """Cross-build the driver (and its emulator probe) into :func:`build_dir`; a no-op returning
-    the path when the driver is already there (unless ``force``).
+def missing_build_tools() -> list[tuple[str, str]]:
+    """What the cross build needs and this machine lacks, as (what, Debian package) pairs;
+    empty when everything is there. Checks :data:`CROSS_TOOLS` on ``PATH``, the cross glibc
+    (:data:`CROSS_GLIBC`) and the cross GCC's start files and libgcc (:data:`CROSS_GCC_DIR`),
+    which clang links a static riscv64 program against."""
+    missing = [(tool, package) for tool, package in CROSS_TOOLS.items() if shutil.which(tool) is None]
+    if not CROSS_GLIBC.is_file():
+        missing.append((f"the riscv64 cross glibc ({CROSS_GLIBC})", "libc6-dev-riscv64-cross"))
+    if not any((d / "crtbeginT.o").is_file() and (d / "libgcc.a").is_file()
+               for d in (CROSS_GCC_DIR.glob("*") if CROSS_GCC_DIR.is_dir() else ())):
+        missing.append((f"the riscv64 cross libgcc ({CROSS_GCC_DIR}/<version>/libgcc.a, crtbeginT.o)",
+                        "gcc-riscv64-linux-gnu"))
+    return missing
+
+
+def _expected_outputs(source_dir: Path) -> tuple[str, ...]:
+    """The binaries ``make riscv64`` builds from ``source_dir`` (the probe only with the emulator)."""
+    with_emu = (source_dir / "driver" / "ime2_emu.c").is_file()
+    return (DRIVER_NAME, PROBE_NAME) if with_emu else (DRIVER_NAME,)
+
+
+def is_built() -> bool:
+    """True when :func:`build_dir` holds the driver (and, when the sources have the emulator,
+    its probe): :func:`build_driver` would then do nothing.
 
     Raises:
-        DriverBuildError: make, clang-19, ld.lld-19 or the cross glibc is missing (named, with
-            the Debian packages), or make fails (its output in the message).
+        vllm_npu.ime2.sources.KernelSourcesMissingError: no kernel sources.
     """
     from vllm_npu.ime2 import sources
 
     out = build_dir()
+    return all((out / name).is_file() for name in _expected_outputs(sources.kernel_source_dir()))
+
+
+def build_driver(force: bool = False, *, timeout: float = 600.0) -> Path:
+    """Cross-build the riscv64 driver and its emulator probe into :func:`build_dir` and return
+    the driver's path; a no-op returning it when they are already built (unless ``force``).
+
+    Runs ``make -s -C <kernel_source_dir()> riscv64 OUT=<temporary directory beside
+    build_dir()>`` (the Makefile writes only under ``OUT``, objects included, so read-only
+    sources such as an installed wheel's are fine), then renames the finished directory into
+    place: an interrupted or failed build leaves nothing that looks built, and of two processes
+    building at once the first rename wins. ``make``'s inherited ``MAKEFLAGS`` and the
+    ``RV_*`` flag variables are dropped from its environment, so the build is a function of the
+    sources alone (the directory's digest). A build takes a few seconds.
+
+    Args:
+        force: rebuild even when the driver exists (the old directory is replaced).
+        timeout: seconds allowed for ``make``.
+
+    Raises:
+        DriverBuildError: a tool is missing (each named with its Debian package), the cache
+            directory cannot be written, or ``make`` failed or timed out (its output in the
+            message).
+        vllm_npu.ime2.sources.KernelSourcesMissingError: no kernel sources.
+    """
+    from vllm_npu.ime2 import sources
+
+    source_dir = sources.kernel_source_dir()
+    out = build_dir()
     driver = out / DRIVER_NAME
-    if driver.is_file() and not force:
+    if not force and is_built():
         return driver
-    missing = [t for t in CROSS_TOOLS if shutil.which(t) is None]
-    if not CROSS_GLIBC.is_file():
-        missing.append(f"the riscv64 cross glibc ({CROSS_GLIBC})")
+    missing = missing_build_tools()
     if missing:
-        raise DriverBuildError(f"cannot build the riscv64 driver: missing {', '.join(missing)}; "
-                               f"install with: apt-get install {' '.join(CROSS_PACKAGES)}")
-    out.mkdir(parents=True, exist_ok=True)
-    cmd = ["make", "-s", "-C", str(sources.kernel_source_dir()), "riscv64", f"OUT={out}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if proc.returncode != 0 or not driver.is_file():
-        raise DriverBuildError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        packages = " ".join(dict.fromkeys(p for _, p in missing))
+        raise DriverBuildError(
+            f"cannot build the riscv64 QEMU driver: missing {'; '.join(f'{w} (package {p})' for w, p in missing)}. "
+            f"Install with: sudo apt-get install {packages}  (all the cross build needs: "
+            f"{' '.join(CROSS_PACKAGES)})")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.building.", dir=out.parent))
+        tmp.chmod(0o755)  # mkdtemp's 0700 would outlive the rename
+    except OSError as exc:
+        raise DriverBuildError(f"cannot create the driver's cache directory under {out.parent}: {exc} "
+                               f"(set {CACHE_ENV} to a writable directory)") from exc
+    try:
+        cmd = ["make", "-s", "-C", str(source_dir), "riscv64", f"OUT={tmp}"]
+        env = {k: v for k, v in os.environ.items() if k not in _SCRUBBED_ENV}
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise DriverBuildError(f"{' '.join(cmd)} timed out after {timeout} s") from exc
+        names = _expected_outputs(source_dir)
+        absent = [n for n in names if not (tmp / n).is_file()]
+        if proc.returncode != 0 or absent:
+            raise DriverBuildError(
+                f"{' '.join(cmd)} failed (exit {proc.returncode}"
+                f"{', built no ' + ', '.join(absent) if absent else ''}):\n{(proc.stdout + proc.stderr)[-8000:]}")
+        _install(tmp, out, names, force=force)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return driver
+
+
+def _install(tmp: Path, out: Path, names: tuple[str, ...], *, force: bool) -> None:
+    """Rename the finished build ``tmp`` to ``out``. An existing ``out`` is replaced when
+    ``force`` or when it lacks one of ``names`` (a build from before this rename scheme, or
+    emptied by hand); a complete one that another process renamed there meanwhile is kept.
+
+    Raises:
+        DriverBuildError: ``out`` could not be replaced.
+    """
+    def complete() -> bool:
+        return all((out / name).is_file() for name in names)
+
+    old = None
+    if out.exists() and (force or not complete()):
+        old = out.with_name(f".{out.name}.old.{os.getpid()}")
+        shutil.rmtree(old, ignore_errors=True)
+        try:
+            os.rename(out, old)
+        except OSError as exc:
+            raise DriverBuildError(f"cannot replace {out}: {exc}") from exc
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:  # another process renamed its finished build first
+        if not complete():
+            raise DriverBuildError(f"cannot move the built driver from {tmp} to {out}: {exc}") from exc
+    finally:
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def qemu_path() -> str | None:
@@ -165,10 +281,16 @@ def qemu_path() -> str | None:
 
 
 def missing_reason() -> str | None:
-    """None when QEMU and the driver are both present; else what is missing and how to get it."""
+    """None when QEMU and the driver are both present; else what is missing and how to get it
+    (never raises for missing kernel sources: their error's text is the reason)."""
+    from vllm_npu.ime2.sources import KernelSourcesMissingError
+
     if qemu_path() is None:
         return f"{QEMU} is not on PATH (Debian package qemu-user-static; bash ci/setup.sh installs it)"
-    drv = driver_path()
+    try:
+        drv = driver_path()
+    except KernelSourcesMissingError as exc:
+        return str(exc)
     if not drv.is_file():
         return f"the riscv64 driver {drv} is not built: {BUILD_COMMAND}"
     return None
@@ -271,7 +393,11 @@ EMU_ENV = {"rounding": "NPU_IME2_EMU_ROUNDING", "dot": "NPU_IME2_EMU_DOT", "over
 
 
 def probe_path() -> Path:
-    """The probe binary, next to the driver (built by the same ``make ... riscv64``)."""
+    """The probe binary, next to the driver (built with it by :func:`build_driver`).
+
+    Raises:
+        vllm_npu.ime2.sources.KernelSourcesMissingError: see :func:`driver_path`.
+    """
     return driver_path().with_name(PROBE_NAME)
 
 
@@ -300,17 +426,25 @@ def run_probe(words: list[int], regs: np.ndarray, *, vlen: int = 1024, env: dict
     emulator rejects makes the probe die with SIGILL (``returncode == -signal.SIGILL``).
 
     Raises:
-        QemuDriverNotFound: QEMU or the probe is missing. QemuDriverTimeout.
+        QemuDriverNotFound: QEMU or the probe is missing (or no kernel sources). QemuDriverTimeout.
     """
     vb = vlenb(vlen)
     regs = np.ascontiguousarray(regs, dtype=np.uint8)
     if regs.shape != (len(words), 32, vb):
         raise ValueError(f"regs must have shape ({len(words)}, 32, {vb}), got {regs.shape}")
-    if qemu_path() is None or not probe_path().is_file():
-        raise QemuDriverNotFound(f"{QEMU} or the probe {probe_path()} is missing: {BUILD_COMMAND}")
+    from vllm_npu.ime2.sources import KernelSourcesMissingError
+
+    if qemu_path() is None:
+        raise QemuDriverNotFound(f"{QEMU} is not on PATH (Debian package qemu-user-static)")
+    try:
+        probe = probe_path()
+    except KernelSourcesMissingError as exc:
+        raise QemuDriverNotFound(str(exc)) from exc
+    if not probe.is_file():
+        raise QemuDriverNotFound(f"the emulator probe {probe} is not built: {BUILD_COMMAND}")
     body = b"".join(struct.pack("<I", w) + r.tobytes() for w, r in zip(words, regs))
     req = b"NPUIME2E" + struct.pack("<I", len(words)) + body
-    cmd = [qemu_path(), "-cpu", f"rv64,v=true,Zfh=true,vlen={vlen},vext_spec=v1.0", str(probe_path())]
+    cmd = [qemu_path(), "-cpu", f"rv64,v=true,Zfh=true,vlen={vlen},vext_spec=v1.0", str(probe)]
     try:
         proc = subprocess.run(cmd, input=req, capture_output=True, timeout=timeout, check=False,
                               env={**os.environ, **(env or {})})

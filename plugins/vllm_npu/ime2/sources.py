@@ -1,27 +1,35 @@
 """Where the IME2 kernel's C sources are, and a digest of them (standard library only).
 
 An installed wheel carries the sources as package data in ``_kernel_src`` next to this file
-(``setup.py`` copies them); a checkout (an editable install) has them in ``kernels/ime2`` at the
-repository root. The riscv64 QEMU driver is cross-built from them on request
-(``npu-harness ime2 build-driver``) into a cache directory keyed by :func:`source_digest`, so a
-driver built from other sources is never used.
+(``setup.py`` copies them: ``Makefile``, ``include/``, ``src/``, ``driver/``); a checkout (an
+editable install) has them in ``kernels/ime2`` at the repository root. The riscv64 QEMU driver is
+cross-built from them on request (``npu-harness ime2 build-driver``,
+:func:`npu_conformance.qemu_ime2.build_driver`) into a cache directory keyed by
+:func:`source_digest`, so a driver built from other sources is never used.
 """
 
 from __future__ import annotations
 
-import functools
+import fnmatch
 import hashlib
 from pathlib import Path
 
-__all__ = ["KernelSourcesMissingError", "PACKAGED", "CHECKOUT", "SOURCE_PARTS", "kernel_source_dir",
-           "source_digest"]
+__all__ = ["KernelSourcesMissingError", "PACKAGED", "CHECKOUT", "SOURCE_PARTS", "IGNORED",
+           "kernel_source_dir", "source_digest", "clear_digest_cache"]
 
 #: The sources inside an installed wheel.
 PACKAGED = Path(__file__).resolve().parent / "_kernel_src"
 #: The sources of a checkout: plugins/vllm_npu/ime2 -> the repository root -> kernels/ime2.
 CHECKOUT = Path(__file__).resolve().parents[3] / "kernels" / "ime2"
-#: What the builds read (the Makefile's inputs).
+#: What of the source directory the builds read (the Makefile and its inputs).
 SOURCE_PARTS = ("Makefile", "include", "src", "driver")
+#: Names left out of the digest at any depth: build outputs. The same patterns as ``setup.py``'s
+#: copy into ``_kernel_src``, so a wheel's sources and the checkout they came from have one digest.
+IGNORED = ("build", "*.o", "*.so")
+#: Hex digits of the digest (64 bits of sha256).
+DIGEST_CHARS = 16
+
+_DIGESTS: dict[Path, str] = {}
 
 
 class KernelSourcesMissingError(FileNotFoundError):
@@ -29,39 +37,63 @@ class KernelSourcesMissingError(FileNotFoundError):
 
 
 def kernel_source_dir() -> Path:
-    """The directory holding the kernel's ``Makefile``: :data:`PACKAGED`, else :data:`CHECKOUT`.
+    """The directory holding the kernel's ``Makefile``: :data:`PACKAGED` when present, else
+    :data:`CHECKOUT`.
 
     Raises:
-        KernelSourcesMissingError: neither holds a Makefile (both places named).
+        KernelSourcesMissingError: neither holds a Makefile (the message names both places).
     """
     for place in (PACKAGED, CHECKOUT):
         if (place / "Makefile").is_file():
             return place
     raise KernelSourcesMissingError(
-        f"the IME2 kernel sources are missing: neither {PACKAGED} (an installed wheel) nor {CHECKOUT} "
-        "(a checkout) holds a Makefile; reinstall npu-harness")
+        f"the IME2 kernel sources are missing: neither {PACKAGED} (an installed wheel's package data) "
+        f"nor {CHECKOUT} (a checkout's kernels/ime2) holds a Makefile; reinstall npu-harness, or run "
+        "from a checkout")
 
 
-@functools.lru_cache(maxsize=8)
-def _digest_of(root: Path) -> str:
+def _ignored(rel: Path) -> bool:
+    return any(fnmatch.fnmatch(part, pattern) for part in rel.parts for pattern in IGNORED)
+
+
+def _compute(root: Path) -> str:
     h = hashlib.sha256()
+    files: list[Path] = []
     for part in SOURCE_PARTS:
         base = root / part
-        files = [base] if base.is_file() else sorted(p for p in base.rglob("*") if p.is_file())
-        for path in files:
-            rel = path.relative_to(root)
-            if rel.parts[0] == "build" or path.suffix in (".o", ".so"):
-                continue
-            h.update(rel.as_posix().encode() + b"\0")
-            h.update(path.read_bytes() + b"\0")
-    return h.hexdigest()[:16]
+        if base.is_file():
+            files.append(base)
+        elif base.is_dir():
+            files.extend(p for p in base.rglob("*") if p.is_file())
+    rels = sorted((p.relative_to(root) for p in files), key=lambda r: r.as_posix())
+    for rel in rels:
+        if _ignored(rel):
+            continue
+        data = (root / rel).read_bytes()
+        h.update(f"{rel.as_posix()}\0{len(data)}\0".encode())
+        h.update(data)
+    return h.hexdigest()[:DIGEST_CHARS]
 
 
 def source_digest(root: Path | None = None) -> str:
-    """16 hex digits of sha256 over the relative paths and bytes of the sources under ``root``
-    (default :func:`kernel_source_dir`); cached per process and directory.
+    """:data:`DIGEST_CHARS` (16) hex digits of sha256 over the relative paths, sizes and bytes of
+    the files the riscv64 build reads under ``root`` (:data:`SOURCE_PARTS`, without
+    :data:`IGNORED`); ``root`` defaults to :func:`kernel_source_dir`.
+
+    Computed once per process and directory (the sources of an installed package do not change
+    under a running process); :func:`clear_digest_cache` forgets the results.
 
     Raises:
         KernelSourcesMissingError: ``root`` is None and no sources exist.
+        OSError: a source file cannot be read.
     """
-    return _digest_of((root or kernel_source_dir()).resolve())
+    key = (root if root is not None else kernel_source_dir()).resolve()
+    digest = _DIGESTS.get(key)
+    if digest is None:
+        digest = _DIGESTS[key] = _compute(key)
+    return digest
+
+
+def clear_digest_cache() -> None:
+    """Forget every digest :func:`source_digest` computed in this process."""
+    _DIGESTS.clear()
