@@ -180,8 +180,12 @@ def is_built() -> bool:
     """
     from vllm_npu.ime2 import sources
 
-    out = build_dir()
-    return all((out / name).is_file() for name in _expected_outputs(sources.kernel_source_dir()))
+    return _holds(build_dir(), _expected_outputs(sources.kernel_source_dir()))
+
+
+def _holds(out: Path, names: tuple[str, ...]) -> bool:
+    """Whether every one of ``names`` is a file in ``out``."""
+    return all((out / name).is_file() for name in names)
 
 
 def build_driver(force: bool = False, *, timeout: float = 600.0) -> Path:
@@ -209,9 +213,10 @@ def build_driver(force: bool = False, *, timeout: float = 600.0) -> Path:
     from vllm_npu.ime2 import sources
 
     source_dir = sources.kernel_source_dir()
+    names = _expected_outputs(source_dir)
     out = build_dir()
     driver = out / DRIVER_NAME
-    if not force and is_built():
+    if not force and _holds(out, names):
         return driver
     missing = missing_build_tools()
     if missing:
@@ -234,7 +239,6 @@ def build_driver(force: bool = False, *, timeout: float = 600.0) -> Path:
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env, timeout=timeout)
         except subprocess.TimeoutExpired as exc:
             raise DriverBuildError(f"{' '.join(cmd)} timed out after {timeout} s") from exc
-        names = _expected_outputs(source_dir)
         absent = [n for n in names if not (tmp / n).is_file()]
         if proc.returncode != 0 or absent:
             raise DriverBuildError(
@@ -254,11 +258,8 @@ def _install(tmp: Path, out: Path, names: tuple[str, ...], *, force: bool) -> No
     Raises:
         DriverBuildError: ``out`` could not be replaced.
     """
-    def complete() -> bool:
-        return all((out / name).is_file() for name in names)
-
     old = None
-    if out.exists() and (force or not complete()):
+    if out.exists() and (force or not _holds(out, names)):
         old = out.with_name(f".{out.name}.old.{os.getpid()}")
         shutil.rmtree(old, ignore_errors=True)
         try:
@@ -268,11 +269,15 @@ def _install(tmp: Path, out: Path, names: tuple[str, ...], *, force: bool) -> No
     try:
         os.rename(tmp, out)
     except OSError as exc:  # another process renamed its finished build first
-        if not complete():
+        if not _holds(out, names):
             raise DriverBuildError(f"cannot move the built driver from {tmp} to {out}: {exc}") from exc
     finally:
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
+
+
+#: Why the QEMU target cannot run when :data:`QEMU` is not on PATH.
+QEMU_MISSING = f"{QEMU} is not on PATH (Debian package qemu-user-static; bash ci/setup.sh installs it)"
 
 
 def qemu_path() -> str | None:
@@ -286,7 +291,7 @@ def missing_reason() -> str | None:
     from vllm_npu.ime2.sources import KernelSourcesMissingError
 
     if qemu_path() is None:
-        return f"{QEMU} is not on PATH (Debian package qemu-user-static; bash ci/setup.sh installs it)"
+        return QEMU_MISSING
     try:
         drv = driver_path()
     except KernelSourcesMissingError as exc:
@@ -435,7 +440,7 @@ def run_probe(words: list[int], regs: np.ndarray, *, vlen: int = 1024, env: dict
     from vllm_npu.ime2.sources import KernelSourcesMissingError
 
     if qemu_path() is None:
-        raise QemuDriverNotFound(f"{QEMU} is not on PATH (Debian package qemu-user-static)")
+        raise QemuDriverNotFound(QEMU_MISSING)
     try:
         probe = probe_path()
     except KernelSourcesMissingError as exc:

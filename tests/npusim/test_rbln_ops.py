@@ -74,16 +74,21 @@ def reference(q, k, v, kcache, vcache, starts, tables, *, mask=None, bidirection
     return out, kc, vc
 
 
-def _call(name, q, k, v, kc, vc, starts, tables, **extra):
-    op = getattr(torch.ops.rbln_custom_ops, name)
+def _args(name, q, k, v, kc, vc, starts, tables, partition=BS * 2) -> list:
+    """The positional arguments of ``rbln_custom_ops.<name>``, as optimum-rbln passes them:
+    ``seq`` ``[B, 1]`` int32, a float32 ``scale``, the prefill's one-row block table as ``[n]``,
+    and ``partition`` for the flash ops."""
     seq = torch.tensor(starts, dtype=torch.int32).reshape(-1, 1)
     table = torch.tensor(tables, dtype=torch.int16)
     table = table[0] if "prefill" in name else table
     scale = torch.tensor(1.0 / np.sqrt(D), dtype=torch.float32)
     args = [q, k, v, kc, vc, seq, scale, table, BS]
-    if "flash" in name:
-        args.append(extra.pop("partition", BS * 2))
-    return op(*args, **extra)
+    return args + [partition] if "flash" in name else args
+
+
+def _call(name, q, k, v, kc, vc, starts, tables, *, partition=BS * 2, **extra):
+    op = getattr(torch.ops.rbln_custom_ops, name)
+    return op(*_args(name, q, k, v, kc, vc, starts, tables, partition), **extra)
 
 
 def _inputs(gen, B, nq):
@@ -215,8 +220,7 @@ def test_host_kernel_is_the_registered_op():
     kc2, vc2 = kc.clone(), vc.clone()
     a = _call("paged_flash_causal_attn_decode", q, k, v, kc, vc, starts, tables)
     kernel = ops.host_kernel("paged_flash_causal_attn_decode")
-    b = kernel(q, k, v, kc2, vc2, torch.tensor(starts, dtype=torch.int32).reshape(-1, 1),
-               torch.tensor(1.0 / np.sqrt(D)), torch.tensor(tables, dtype=torch.int16), BS, BS * 2)
+    b = kernel(*_args("paged_flash_causal_attn_decode", q, k, v, kc2, vc2, starts, tables))
     assert torch.equal(a, b) and torch.equal(kc, kc2)
     assert ops.host_kernel("no_such_op") is None
 
@@ -232,11 +236,7 @@ def test_schema_declares_the_kv_caches_mutated_and_the_fake_kernel_matches(name)
     q, k, v = _inputs(gen, 2 if decode else 1, 1 if decode else 8)
     starts = [3, 20] if decode else [0]
     tables = [[1, 2], [3, 4]] if decode else [[1, 2]]
-    table = torch.tensor(tables if decode else tables[0], dtype=torch.int16)
-    args = [q, k, v, kc, vc, torch.tensor(starts, dtype=torch.int32).reshape(-1, 1),
-            torch.tensor(1.0 / np.sqrt(D)), table, BS]
-    if "flash" in name:
-        args.append(BS)
+    args = _args(name, q, k, v, kc, vc, starts, tables, partition=BS)
     op = getattr(torch.ops.rbln_custom_ops, name).default
     mutable = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert mutable == ["kcache", "vcache"]

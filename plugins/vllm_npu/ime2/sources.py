@@ -11,6 +11,7 @@ cross-built from them on request (``npu-harness ime2 build-driver``,
 from __future__ import annotations
 
 import fnmatch
+import functools
 import hashlib
 from pathlib import Path
 
@@ -28,8 +29,6 @@ SOURCE_PARTS = ("Makefile", "include", "src", "driver")
 IGNORED = ("build", "*.o", "*.so")
 #: Hex digits of the digest (64 bits of sha256).
 DIGEST_CHARS = 16
-
-_DIGESTS: dict[Path, str] = {}
 
 
 class KernelSourcesMissingError(FileNotFoundError):
@@ -56,6 +55,7 @@ def _ignored(rel: Path) -> bool:
     return any(fnmatch.fnmatch(part, pattern) for part in rel.parts for pattern in IGNORED)
 
 
+@functools.cache
 def _compute(root: Path) -> str:
     h = hashlib.sha256()
     files: list[Path] = []
@@ -87,13 +87,9 @@ def source_digest(root: Path | None = None) -> str:
         KernelSourcesMissingError: ``root`` is None and no sources exist.
         OSError: a source file cannot be read.
     """
-    key = (root if root is not None else kernel_source_dir()).resolve()
-    digest = _DIGESTS.get(key)
-    if digest is None:
-        digest = _DIGESTS[key] = _compute(key)
-    return digest
+    return _compute((root if root is not None else kernel_source_dir()).resolve())
 
 
 def clear_digest_cache() -> None:
     """Forget every digest :func:`source_digest` computed in this process."""
-    _DIGESTS.clear()
+    _compute.cache_clear()
