@@ -20,11 +20,20 @@ quantized weights (random codes, fp16-representable scales), prepared once per s
   half; ``c_x86_avx2``: the X86 path's AVX2 + F16C variant (``NPU_IME2_X86_ISA=avx2``). ``c_auto``: the same with ``path="auto"``, the best host
   path the library picks (what ``ime2_hp_gemm_cpu`` and the torch op run); the floor is checked
   on it.
-* ``ort_1t`` (the headline peer) / ``ort_2t``: ONNX Runtime ``com.microsoft::MatMulNBits``
-  (bits 4, block_size 32, no zero points -> zero point 8, default accuracy_level), one CPU
-  InferenceSession per shape with ``intra_op_num_threads`` 1 / 2. Our ``qweight [N, K/32, 16]``
-  is already MatMulNBits' B layout (adjacent pairs, low nibble first); ``scales`` is flattened
-  to ``[N * K/32]``. The fixture checks each output against ``A @ dequant(W).T`` (NMSE <= 5e-4).
+* ``c_auto_2t``: ``c_auto`` with the N tiles split over two threads
+  (``gemm_packed(..., threads=2)``, i.e. ``npu_ime2_gemm_mt``).
+* ``ort4_1t`` (the headline peer, issue 12) / ``ort4_2t``: ONNX Runtime
+  ``com.microsoft::MatMulNBits`` with ``accuracy_level=4`` (int8 activations: ORT's fastest CPU
+  path, the same int8 x int4 arithmetic the IME2 instructions do), one CPU InferenceSession per
+  shape with ``intra_op_num_threads`` 1 / 2. ``ort0_1t`` / ``ort0_2t``: the same at the default
+  ``accuracy_level`` 0 (fp32 compute), the second column. Attributes: bits 4, block_size 32, no
+  zero points (zero point 8). Our ``qweight [N, K/32, 16]`` is already MatMulNBits' B layout
+  (adjacent pairs, low nibble first); ``scales`` is flattened to ``[N * K/32]``. The fixture
+  checks each output against ``A @ dequant(W).T`` (NMSE <= 5e-4).
+* ``test_stream_copy``: the machine's single-core memory bandwidth, a STREAM-like copy of a
+  256 MiB float32 array (``np.copyto``, one thread; bytes moved = read + write), measured in the
+  same run so that the weight traffic of the GEMMs (``summarize.py``: packed weight bytes / time)
+  can be set against it.
 """
 
 from __future__ import annotations
@@ -52,10 +61,13 @@ SEED_SHAPES = {
     (2048, 11008): "Qwen2.5 3B",
 }
 MS = (1, 4)
-IMPLS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_quantize_a", "c_gemm_only",
-         "c_x86_gemm_only", "ort_1t", "ort_2t")
+IMPLS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_auto_2t", "c_quantize_a",
+         "c_gemm_only", "c_x86_gemm_only", "ort4_1t", "ort4_2t", "ort0_1t", "ort0_2t")
+#: ORT implementation -> (accuracy_level, intra_op_num_threads)
+ORT_IMPLS = {"ort4_1t": (4, 1), "ort4_2t": (4, 2), "ort0_1t": (0, 1), "ort0_2t": (0, 2)}
+STREAM_BYTES = 256 << 20  # one array of the STREAM-like copy (well beyond any last-level cache)
 #: impl -> the C path it runs
-C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86": "x86", "c_auto": "auto",
+C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86": "x86", "c_auto": "auto", "c_auto_2t": "auto",
            "c_gemm_only": "portable", "c_x86_gemm_only": "x86"}
 
 
@@ -66,11 +78,11 @@ def _weights(k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
     return qw, sc.astype(np.float16).astype(np.float32)
 
 
-def _ort_session(qw: np.ndarray, sc: np.ndarray, k: int, n: int, threads: int):
+def _ort_session(qw: np.ndarray, sc: np.ndarray, k: int, n: int, threads: int, level: int):
     from onnx import TensorProto, helper, numpy_helper
 
     node = helper.make_node("MatMulNBits", ["A", "B", "scales"], ["Y"], domain="com.microsoft",
-                            bits=4, block_size=32, K=k, N=n)
+                            bits=4, block_size=32, K=k, N=n, accuracy_level=level)
     graph = helper.make_graph(
         [node], "ime2_matmulnbits",
         [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["M", k])],
@@ -97,9 +109,10 @@ def shape_ctx(request):
         "k": k, "n": n, "qw": qw, "sc": sc, "w": w,
         "w_ref": q.dequantize_q4_0(qw, sc, dtype=np.float64),
         "b_packed": kernel.pack_b(qw, sc),
-        "ort_1t": _ort_session(qw, sc, k, n, 1),
-        "ort_2t": _ort_session(qw, sc, k, n, 2),
     }
+    ctx["b_bytes"] = len(ctx["b_packed"])  # pack_b returns bytes
+    for impl, (level, threads) in ORT_IMPLS.items():
+        ctx[impl] = _ort_session(qw, sc, k, n, threads, level)
     yield ctx
     ctx.clear()
 
@@ -112,9 +125,9 @@ def _call(impl: str, ctx: dict, a: np.ndarray):
     path = C_PATHS.get(impl)
     if path is not None and path != "auto" and path not in kernel.usable_paths():
         pytest.skip(f"path {path!r} does not run on this CPU")
-    if impl in ("c_portable", "c_x86_avx2", "c_x86", "c_auto"):
-        b = ctx["b_packed"]
-        return (lambda x: kernel.gemm_packed(kernel.quantize_a(x), b, m, k, n, path=path)), (a,)
+    if impl in ("c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_auto_2t"):
+        b, threads = ctx["b_packed"], 2 if impl.endswith("_2t") else 1
+        return (lambda x: kernel.gemm_packed(kernel.quantize_a(x), b, m, k, n, path=path, threads=threads)), (a,)
     if impl == "c_quantize_a":
         return kernel.quantize_a, (a,)
     if impl in ("c_gemm_only", "c_x86_gemm_only"):
@@ -141,6 +154,23 @@ def test_ime2_gemm(benchmark, shape_ctx, m, impl, monkeypatch):
         err = q.nmse(ref, out)
         assert err <= MUL_MAT_NMSE, f"{impl}: NMSE {err:.3e} against A @ dequant(W).T > {MUL_MAT_NMSE}"
     benchmark.group = f"K={k} N={n} M={m}"
-    benchmark.extra_info.update(impl=impl, K=k, N=n, M=m, models=SEED_SHAPES[(k, n)],
-                                ort_version=ort.__version__, auto_path=kernel.auto_path())
+    # weight bytes one call streams: our packed B (fp16 scales), or ORT's B + fp32 scales
+    w_bytes = k * n // 2 + n * (k // 32) * 4 if impl.startswith("ort") else shape_ctx["b_bytes"]
+    benchmark.extra_info.update(impl=impl, K=k, N=n, M=m, models=SEED_SHAPES[(k, n)], weight_bytes=w_bytes,
+                                ort_version=ort.__version__, auto_path=kernel.auto_path(),
+                                x86_variant=kernel.x86_variant())  # after the NPU_IME2_X86_ISA choice above
     benchmark(fn, *args)
+
+
+def test_stream_copy(benchmark):
+    """Single-core memory bandwidth: copy one 256 MiB float32 array into another (STREAM "Copy").
+
+    ``summarize.py`` reports 2 * STREAM_BYTES / median (read + write) in GB/s; numpy's copy is a
+    single-threaded memcpy."""
+    src = np.ones(STREAM_BYTES // 4, dtype=np.float32)
+    dst = np.zeros_like(src)
+    np.copyto(dst, src)  # fault the pages in, untimed
+    benchmark.group = "memory bandwidth"
+    benchmark.extra_info.update(impl="stream_copy", bytes_moved=2 * STREAM_BYTES)
+    benchmark.pedantic(np.copyto, args=(dst, src), rounds=10, warmup_rounds=1)
+    assert dst[-1] == 1.0

@@ -193,6 +193,50 @@ def _cmd_ime2_build_driver(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ime2_predict(args: argparse.Namespace) -> int:
+    """``npu-harness ime2 predict``: the SM10 board performance model (:mod:`npusim.q4x32.perf`).
+
+    ``--gemm K N M``: predicted time and GOP/s of one Ime2HpGemm on ``--cores`` A100 cores (1, as
+    the seed's GEMM table) with the split of the time; ``--model M``: predicted prompt and decode
+    tokens/s of the seed's run on ``--path``; ``--table``: every row of the seed's three tables,
+    the visible rows with their measured value and error; ``--params``: the fitted parameters.
+    Exit 2 with the value and the rule on stderr for bad input (no traceback).
+    """
+    from npusim.q4x32 import perf
+
+    if not (args.gemm or args.model or args.table or args.params):
+        print("npu-harness ime2 predict: give --gemm K N M, --model NAME_OR_CONFIG, --table or --params",
+              file=sys.stderr)
+        return 2
+    try:
+        if args.params:
+            print(perf.format_params())
+        if args.gemm:
+            k, n, m = args.gemm
+            g = perf.predict_gemm(k, n, m, cores=args.cores)
+            c = perf.instruction_counts(k, n, m, cores=args.cores)
+            print(f"IME2 GEMM K={k} N={n} M={m} on {args.cores} A100 core(s): {g.gops:.2f} GOP/s, "
+                  f"{g.seconds * 1e6:.1f} us")
+            print(f"  passes {c.passes} ({c.hp} .hp, {c.weight_bytes} weight bytes): {g.pass_seconds * 1e6:.1f} us "
+                  f"(.hp issue and weight streaming, not separable on the visible rows)")
+            print(f"  row epilogue ({c.row_passes} row passes): {g.row_seconds * 1e6:.1f} us; scalar tail "
+                  f"({c.tail_columns} columns): {g.tail_seconds * 1e6:.1f} us; call: {g.call_seconds * 1e6:.1f} us")
+            print(f"  bound: {g.bound}")
+        if args.model:
+            cfg = perf.resolve_model(args.model)
+            t = perf.predict_tokens(cfg, args.path)
+            cores = "eight A100 cores" if args.path == "ime2" else "seven X100 cores"
+            print(f"{cfg.name} on the {args.path} path ({cores}), prompt {t.prompt_tokens} tokens, "
+                  f"{perf.NEW_TOKENS} new: prompt {t.prompt_tps:.3g} tokens/s ({t.prefill_seconds:.3g} s), "
+                  f"decode {t.decode_tps:.3g} tokens/s ({t.decode_seconds:.3g} s for {perf.DECODE_TIMED})")
+        if args.table:
+            print(perf.format_table())
+    except perf.PerfModelInputError as exc:
+        print(f"npu-harness ime2 predict: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def _cmd_neuron_plan(args: argparse.Namespace) -> int:
     from vllm_npu.neuron.plan_cli import main as plan_main
 
@@ -287,13 +331,28 @@ def build_parser() -> argparse.ArgumentParser:
     rc.add_argument("--optimum-overrides", metavar="JSON",
                     help="JSON object laid over the derived rbln_config; may not change derived values")
     rc.set_defaults(func=_cmd_rbln_compile)
-    ime2 = sub.add_parser("ime2", help="SpacemiT K3 IME2 kernel: the riscv64 QEMU driver")
+    ime2 = sub.add_parser("ime2", help="SpacemiT K3 IME2 kernel: the riscv64 QEMU driver, the board's performance model")
     ime2_sub = ime2.add_subparsers(dest="ime2_command", required=True, metavar="IME2_COMMAND")
     bd = ime2_sub.add_parser("build-driver", help="cross-build the riscv64 driver (ime2-qemu target) into "
                                                   "the user cache directory; a no-op when built")
     bd.add_argument("--force", action="store_true", help="rebuild even when the driver exists")
     bd.add_argument("--quiet", action="store_true", help="print nothing on success (errors still go to stderr)")
     bd.set_defaults(func=_cmd_ime2_build_driver)
+    pr = ime2_sub.add_parser("predict", help="the SM10 board performance model (npusim.q4x32.perf): GEMM GOP/s "
+                                             "of one A100 core, tokens/s of a model, the seed's tables")
+    pr.add_argument("--gemm", nargs=3, type=int, metavar=("K", "N", "M"),
+                    help="predicted GOP/s and time of one Ime2HpGemm (K a multiple of 32)")
+    pr.add_argument("--cores", type=int, default=1, metavar="C",
+                    help="A100 cores the N tiles are split over for --gemm (default 1, as the seed's GEMM table)")
+    pr.add_argument("--model", metavar="HF_DIR_OR_CONFIG",
+                    help="a HF directory with config.json, a config.json, or a shipped model name "
+                         "(e.g. 'SmolLM2 135M'): predicted prompt and decode tokens/s of the seed's run")
+    pr.add_argument("--path", choices=("ime2", "rvv"), default="ime2",
+                    help="for --model: IME2 int4 on eight A100 cores (default) or the stock RVV bf16 path")
+    pr.add_argument("--table", action="store_true",
+                    help="every row of the seed's three tables, the visible rows with measured value and error")
+    pr.add_argument("--params", action="store_true", help="print the fitted parameters and the fits' residuals")
+    pr.set_defaults(func=_cmd_ime2_predict)
     neuron = sub.add_parser("neuron", help="AWS Neuron plugin (vllm_npu.neuron): the plan of a configuration")
     neuron_sub = neuron.add_subparsers(dest="neuron_command", required=True, metavar="NEURON_COMMAND")
     np_ = neuron_sub.add_parser("plan", help="print the Neuron plan (compile targets, KV budget and blocks, "

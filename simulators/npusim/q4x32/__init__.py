@@ -21,6 +21,9 @@ Modules, one job each:
 * :mod:`~npusim.q4x32.replay` - instruction-by-instruction replay of the kernels (slow oracle).
 * :mod:`~npusim.q4x32.metrics` - :func:`nmse` as llama.cpp's test-backend-ops computes it.
 * :mod:`~npusim.q4x32.errors` - the exception classes (all ``ValueError`` subclasses).
+* :mod:`~npusim.q4x32.perf` - the SM10 board performance model (instruction counts of our IME2
+  path, GEMM time of an A100 core, tokens/s on the IME2 and RVV paths; ``npu-harness ime2
+  predict``). Imported on demand: ``from npusim.q4x32 import perf``.
 
 Public API::
 
