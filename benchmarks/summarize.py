@@ -23,10 +23,11 @@ import json
 import sys
 
 GOAL = 1.0
-COLUMNS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_auto_2t", "ort4_1t", "ort4_2t",
+COLUMNS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86_vnni", "c_x86", "c_auto", "c_auto_2t", "ort4_1t", "ort4_2t",
            "ort0_1t", "ort0_2t")
 #: (label, ours, peer, counts toward the goal)
 HEADLINE = (("AVX2 1t / ORT4 1t", "c_x86_avx2", "ort4_1t", True),
+            ("VNNI 1t / ORT4 1t", "c_x86_vnni", "ort4_1t", False),
             ("best 1t / ORT4 1t", "c_auto", "ort4_1t", True),
             ("best 2t / ORT4 2t", "c_auto_2t", "ort4_2t", True),
             ("AVX2 1t / ORT0 1t", "c_x86_avx2", "ort0_1t", False),

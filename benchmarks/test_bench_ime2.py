@@ -17,7 +17,9 @@ quantized weights (random codes, fp16-representable scales), prepared once per s
   ``c_quantize_a`` and ``c_gemm_only`` time those two halves separately.
 * ``c_x86``: the same with ``path="x86"`` (skipped where the CPU lacks AVX2 + F16C), the best
   variant for this CPU (AVX-512 VNNI + FP16 where present), and ``c_x86_gemm_only`` its GEMM
-  half; ``c_x86_avx2``: the X86 path's AVX2 + F16C variant (``NPU_IME2_X86_ISA=avx2``). ``c_auto``: the same with ``path="auto"``, the best host
+  half; ``c_x86_avx2``: the X86 path's AVX2 + F16C variant (``NPU_IME2_X86_ISA=avx2``);
+  ``c_x86_vnni``: at most its AVX-512 VNNI + F16C variant (``NPU_IME2_X86_ISA=avx512-vnni``; the
+  AVX2 one on a CPU without AVX-512 VNNI). ``c_auto``: the same with ``path="auto"``, the best host
   path the library picks (what ``ime2_hp_gemm_cpu`` and the torch op run); the floor is checked
   on it.
 * ``c_auto_2t``: ``c_auto`` with the N tiles split over two threads
@@ -61,13 +63,13 @@ SEED_SHAPES = {
     (2048, 11008): "Qwen2.5 3B",
 }
 MS = (1, 4)
-IMPLS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_auto_2t", "c_quantize_a",
+IMPLS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86_vnni", "c_x86", "c_auto", "c_auto_2t", "c_quantize_a",
          "c_gemm_only", "c_x86_gemm_only", "ort4_1t", "ort4_2t", "ort0_1t", "ort0_2t")
 #: ORT implementation -> (accuracy_level, intra_op_num_threads)
 ORT_IMPLS = {"ort4_1t": (4, 1), "ort4_2t": (4, 2), "ort0_1t": (0, 1), "ort0_2t": (0, 2)}
 STREAM_BYTES = 256 << 20  # one array of the STREAM-like copy (well beyond any last-level cache)
 #: impl -> the C path it runs
-C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86": "x86", "c_auto": "auto", "c_auto_2t": "auto",
+C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86_vnni": "x86", "c_x86": "x86", "c_auto": "auto", "c_auto_2t": "auto",
            "c_gemm_only": "portable", "c_x86_gemm_only": "x86"}
 
 
@@ -125,7 +127,7 @@ def _call(impl: str, ctx: dict, a: np.ndarray):
     path = C_PATHS.get(impl)
     if path is not None and path != "auto" and path not in kernel.usable_paths():
         pytest.skip(f"path {path!r} does not run on this CPU")
-    if impl in ("c_portable", "c_x86_avx2", "c_x86", "c_auto", "c_auto_2t"):
+    if impl in ("c_portable", "c_x86_avx2", "c_x86_vnni", "c_x86", "c_auto", "c_auto_2t"):
         b, threads = ctx["b_packed"], 2 if impl.endswith("_2t") else 1
         return (lambda x: kernel.gemm_packed(kernel.quantize_a(x), b, m, k, n, path=path, threads=threads)), (a,)
     if impl == "c_quantize_a":
@@ -141,8 +143,8 @@ def _call(impl: str, ctx: dict, a: np.ndarray):
 @pytest.mark.parametrize("m", MS)
 def test_ime2_gemm(benchmark, shape_ctx, m, impl, monkeypatch):
     k, n = shape_ctx["k"], shape_ctx["n"]
-    if impl == "c_x86_avx2":
-        monkeypatch.setenv("NPU_IME2_X86_ISA", "avx2")  # the X86 path's AVX2 variant
+    if impl in ("c_x86_avx2", "c_x86_vnni"):  # the X86 path's AVX2 variant / at most its VNNI + F16C one
+        monkeypatch.setenv("NPU_IME2_X86_ISA", "avx2" if impl == "c_x86_avx2" else "avx512-vnni")
     else:
         monkeypatch.delenv("NPU_IME2_X86_ISA", raising=False)
     a = np.random.default_rng(m).standard_normal((m, k)).astype(np.float32)

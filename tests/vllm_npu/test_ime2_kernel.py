@@ -81,10 +81,12 @@ def check_paths(ap: bytes, bp: bytes, m: int, k: int, n: int, hw: np.ndarray) ->
         c = kernel.gemm_packed(ap, bp, m, k, n, path=path)
         assert_bit_exact(c, hw)
         assert_same_bits(c, portable, f"path {path!r} vs portable")
-    if "x86" in paths:  # the X86 path's AVX2 variant too (the best one for this CPU ran above)
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv("NPU_IME2_X86_ISA", "avx2")
-            assert_same_bits(kernel.gemm_packed(ap, bp, m, k, n, path="x86"), portable, "x86 (AVX2) vs portable")
+    if "x86" in paths:  # the X86 path's other variants too (the best one for this CPU ran above)
+        for isa in ("avx512-vnni", "avx2"):
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setenv("NPU_IME2_X86_ISA", isa)
+                assert_same_bits(kernel.gemm_packed(ap, bp, m, k, n, path="x86"), portable,
+                                 f"x86 (NPU_IME2_X86_ISA={isa}: {kernel.x86_variant()}) vs portable")
 
 
 def check_agreement(a: np.ndarray, qw: np.ndarray, sc: np.ndarray) -> np.ndarray:

@@ -19,34 +19,44 @@ from vllm_npu.ime2 import kernel
 
 
 def _cpu_flags() -> set[str]:
-    """The CPU flags Linux reports (it hides AVX features the OS does not save state for)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
+    """The CPU features this process sees, by CPUID and XGETBV (numpy's run-time dispatch table:
+    only features the OS saves state for). Not /proc/cpuinfo, which shows the host's flags under
+    ``qemu-x86_64-static -cpu Haswell`` while CPUID shows the emulated CPU's."""
+    from numpy._core._multiarray_umath import __cpu_features__
+
+    return {name for name, present in __cpu_features__.items() if present}
 
 
-CPU_HAS_AVX2_F16C = {"avx2", "f16c"} <= _cpu_flags()
+CPU_HAS_AVX2_F16C = {"AVX2", "F16C"} <= _cpu_flags()
 needs_x86 = pytest.mark.skipif(not CPU_HAS_AVX2_F16C, reason="this CPU lacks AVX2 or F16C (or is not x86-64 Linux)")
 
 
-AVX512_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_fp16"}
+AVX512_VNNI_FLAGS = {"AVX512F", "AVX512BW", "AVX512VL", "AVX512VNNI"}
+AVX512_FLAGS = AVX512_VNNI_FLAGS | {"AVX512FP16"}
 
 
-@pytest.fixture(scope="module", autouse=True, params=["best", "avx2"])
+@pytest.fixture(scope="module", autouse=True, params=["best", "avx512-vnni", "avx2"])
 def x86_isa(request):
-    """Every test here runs twice: with the X86 path's best variant for this CPU (AVX-512 VNNI +
-    FP16 where present) and with its AVX2 + F16C variant forced (NPU_IME2_X86_ISA=avx2)."""
+    """Every test here runs three times: with the X86 path's best variant for this CPU (AVX-512
+    VNNI + FP16 where present), capped at the AVX-512 VNNI + F16C variant (NPU_IME2_X86_ISA=
+    avx512-vnni: what a CPU with AVX-512 VNNI and no AVX512-FP16, such as AMD Zen 4, runs; the
+    AVX2 variant where the CPU has no AVX-512 VNNI) and with its AVX2 + F16C variant forced
+    (NPU_IME2_X86_ISA=avx2)."""
     with pytest.MonkeyPatch.context() as mp:
-        if request.param == "avx2":
-            mp.setenv("NPU_IME2_X86_ISA", "avx2")
-        else:
+        if request.param == "best":
             mp.delenv("NPU_IME2_X86_ISA", raising=False)
+        else:
+            mp.setenv("NPU_IME2_X86_ISA", request.param)
         yield request.param
+
+
+def expected_variant(isa: str, flags: set[str]) -> str:
+    """The variant the GEMM picks for the NPU_IME2_X86_ISA setting ``isa`` on a CPU with ``flags``."""
+    if isa == "best" and AVX512_FLAGS <= flags:
+        return "avx512-vnni-fp16"
+    if isa in ("best", "avx512-vnni") and AVX512_VNNI_FLAGS <= flags:
+        return "avx512-vnni-f16c"
+    return "avx2-f16c"
 
 
 def bits(c: np.ndarray) -> np.ndarray:
@@ -247,5 +257,4 @@ def test_the_reported_variant_is_the_one_this_cpu_gets(x86_isa):
     if not CPU_HAS_AVX2_F16C:
         assert kernel.x86_variant() == "none"
         return
-    wide = x86_isa == "best" and AVX512_FLAGS <= _cpu_flags()
-    assert kernel.x86_variant() == ("avx512-vnni-fp16" if wide else "avx2-f16c")
+    assert kernel.x86_variant() == expected_variant(x86_isa, _cpu_flags())

@@ -107,8 +107,9 @@ int npu_ime2_allow_fallback(void);
 int npu_ime2_vlenb(void);
 
 /* The variant the X86 path runs on this CPU now (static string; never NULL): "avx512-vnni-fp16"
- * (AVX-512 F/BW/VL, VNNI and FP16 usable, and NPU_IME2_X86_ISA is not "avx2"), "avx2-f16c", or
- * "none" (the path is not built into this library, or the CPU lacks AVX2/F16C). Read at each
+ * (AVX-512 F/BW/VL, VNNI and FP16 usable, and NPU_IME2_X86_ISA is neither "avx2" nor
+ * "avx512-vnni"), "avx512-vnni-f16c" (AVX-512 F/BW/VL and VNNI usable without FP16, or capped there
+ * by NPU_IME2_X86_ISA=avx512-vnni), "avx2-f16c", or "none" (the path is not built into this library, or the CPU lacks AVX2/F16C). Read at each
  * call, like the GEMM's own choice. Added in ABI version 4. */
 const char *npu_ime2_x86_variant(void);
 

@@ -1,8 +1,10 @@
 /*
  * gemm_x86.c - the X86 GEMM path: AVX2 + F16C, the same results as gemm_portable.c bit for bit.
  * Where the CPU also has AVX-512 (F, BW, VL, VNNI, FP16) a 16-column variant runs instead (see
- * block16 below); NPU_IME2_X86_ISA=avx2 in the environment forces the AVX2 one (tests, benchmarks).
- * Both are built with per-function target attributes: the library needs no -m flags and loads on
+ * block16 below); where it has AVX-512 F/BW/VL/VNNI without FP16 (AMD Zen 4), a 16-column variant
+ * with VNNI dots and block8's fp32-emulated fp16 steps (block16f). NPU_IME2_X86_ISA=avx2 in the
+ * environment forces the AVX2 one, =avx512-vnni caps it at block16f (tests, benchmarks).
+ * All are built with per-function target attributes: the library needs no -m flags and loads on
  * any x86-64; npu_ime2_x86_usable() and the variant choice check the CPU at run time.
  *
  * Arithmetic (see the top of gemm_portable.c for the sequence the model rounds): every fp16
@@ -290,6 +292,9 @@ X86_TARGET static void block8_m1(const uint8_t *b, const a_prep *prep, int64_t s
 #define X512_TARGET __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512fp16")))
 #define X512_INLINE \
     static inline __attribute__((always_inline, target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512fp16")))
+/* The same without AVX512-FP16: the VNNI + F16C variant, and the helpers both variants share. */
+#define X5V_TARGET __attribute__((target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+#define X5V_INLINE static inline __attribute__((always_inline, target("avx2,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 /* XCR0 bits 5..7: the OS saves opmask and ZMM state. */
 static int os_saves_zmm(void)
@@ -302,45 +307,59 @@ static int os_saves_zmm(void)
     return (xcr0_lo & 0xe0u) == 0xe0u;
 }
 
-static int avx512_check(void)
+static int vnni_check(void)
 {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
-           __builtin_cpu_supports("avx512fp16") && os_saves_zmm();
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") && os_saves_zmm();
 }
 
-/* The environment is read on every call (so that a test can switch variants). */
-static int avx512_wanted(void)
+static int fp16_check(void)
 {
-    static int cache;
+    __builtin_cpu_init();
+    return vnni_check() && __builtin_cpu_supports("avx512fp16");
+}
+
+/* The variant of the X86 path: VARIANT_FP16 (AVX-512 VNNI dots, AVX512-FP16 arithmetic: block16),
+ * VARIANT_VNNI (AVX-512 VNNI dots, fp16 rounding by F16C-style conversions on 16 fp32 lanes:
+ * block16f; e.g. AMD Zen 4, which has AVX-512 VNNI and no AVX512-FP16) or VARIANT_AVX2 (block8).
+ * NPU_IME2_X86_ISA caps it (a test and benchmark knob): "avx2" -> VARIANT_AVX2, "avx512-vnni" ->
+ * at most VARIANT_VNNI. The environment is read on every call (so that a test can switch). */
+enum { VARIANT_AVX2 = 0, VARIANT_FP16 = 1, VARIANT_VNNI = 2 };
+
+static int x86_variant(void)
+{
+    static int vnni_cache, fp16_cache;
     const char *isa = getenv("NPU_IME2_X86_ISA");
     if (isa && strcmp(isa, "avx2") == 0)
-        return 0;
-    return cached_check(&cache, avx512_check);
+        return VARIANT_AVX2;
+    if (!(isa && strcmp(isa, "avx512-vnni") == 0) && cached_check(&fp16_cache, fp16_check))
+        return VARIANT_FP16;
+    return cached_check(&vnni_cache, vnni_check) ? VARIANT_VNNI : VARIANT_AVX2;
 }
 
 const char *npu_ime2_x86_variant_name(void)
 {
     if (!npu_ime2_x86_usable())
         return "none";
-    return avx512_wanted() ? "avx512-vnni-fp16" : "avx2-f16c";
+    static const char *const names[] = {"avx2-f16c", "avx512-vnni-fp16", "avx512-vnni-f16c"};
+    return names[x86_variant()];
 }
 
 /* Lane L <-> column (L / 4) + 4 * (L % 4), both ways. */
-X512_INLINE __m512i lane_map32(void)
+X5V_INLINE __m512i lane_map32(void)
 {
     return _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
-X512_INLINE __m256i lane_map16(void)
+X5V_INLINE __m256i lane_map16(void)
 {
     return _mm256_setr_epi16(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
 }
 
 /* Codes of 16 columns (p: code bytes of the first column) of one sub-block, lanes in the
  * transposed column order: even[g] / odd[g] = codes of K 8g+{0,2,4,6} / 8g+{1,3,5,7}. */
-X512_INLINE void codes16(const uint8_t *p, __m512i even[4], __m512i odd[4])
+X5V_INLINE void codes16(const uint8_t *p, __m512i even[4], __m512i odd[4])
 {
     const __m512i z0 = _mm512_loadu_si512(p), z1 = _mm512_loadu_si512(p + 64);
     const __m512i z2 = _mm512_loadu_si512(p + 128), z3 = _mm512_loadu_si512(p + 192);
@@ -355,14 +374,14 @@ X512_INLINE void codes16(const uint8_t *p, __m512i even[4], __m512i odd[4])
     }
 }
 
-X512_INLINE __m512i bcast32_512(const int8_t *p)
+X5V_INLINE __m512i bcast32_512(const int8_t *p)
 {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return _mm512_set1_epi32(v);
 }
 
-X512_INLINE void dots16(const __m512i even[4], const __m512i odd[4], const a_prep *const ar[ROW_GROUP], const int R,
+X5V_INLINE void dots16(const __m512i even[4], const __m512i odd[4], const a_prep *const ar[ROW_GROUP], const int R,
                         int j, __m512i dhi[ROW_GROUP], __m512i dlo[ROW_GROUP])
 {
     for (int r = 0; r < R; r++) {
@@ -451,6 +470,81 @@ X512_TARGET static void block16_m1(const uint8_t *b, const a_prep *prep, int64_t
     block16(b, prep, s_count, t, col16, 1, full, c, ldc, ncols);
 }
 
+/* fp32 -> nearest fp16 (RNE, subnormals, overflow to inf) -> fp32 on 16 lanes, as r16(). */
+X5V_INLINE __m512 r16z(__m512 x)
+{
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* block16() without AVX512-FP16: the VNNI int dots of block16 (same lane order), and block8()'s
+ * fp32-emulated fp16 steps (every rounding an r16z) on 16 lanes. Bit-identical to both. */
+X5V_INLINE void block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                         const int R, int full, float *c, int64_t ldc, int ncols)
+{
+    __m512 acc[ROW_GROUP];
+    for (int r = 0; r < R; r++)
+        acc[r] = _mm512_setzero_ps();
+    const __m256i map16 = lane_map16();
+    const __m512 sixteen = _mm512_set1_ps(16.0f);
+    for (int64_t s = 0; s < s_count; s++) {
+        const a_prep *ar[ROW_GROUP];
+        for (int r = 0; r < R; r++)
+            ar[r] = prep + r * s_count + s;
+        const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
+        __m512 d16[ROW_GROUP]; /* fp16 values */
+        for (int r = 0; r < R; r++)
+            d16[r] = _mm512_setzero_ps();
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            const uint8_t *blk = sup + (size_t)j * B_BLOCK;
+            __m512i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
+            codes16(blk + B_SCALES + (QK / 2) * col16, even, odd);
+            dots16(even, odd, ar, R, j, dhi, dlo);
+            const __m512 d = _mm512_cvtph_ps(
+                _mm256_permutexvar_epi16(map16, _mm256_loadu_si256((const __m256i *)(blk + 2 * col16))));
+            if (full) {
+                const __m512 sc = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel[j])));
+                const __m512 sc16 = R == ROW_GROUP ? r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel16[j]))) /* m4 */
+                                                   : r16z(_mm512_mul_ps(sc, sixteen));                      /* m1 */
+                for (int r = 0; r < R; r++) {
+                    const __m512 zp = r16z(_mm512_mul_ps(sc, _mm512_set1_ps(ar[r]->asum8[j])));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), zp));
+                    const __m512 h = r16z(_mm512_cvtepi32_ps(dhi[r]));
+                    d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(h, sc16))));
+                    const __m512 l = r16z(_mm512_cvtepi32_ps(dlo[r]));
+                    d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(l, sc))));
+                }
+            } else {
+                for (int r = 0; r < R; r++) {
+                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
+                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
+                    const __m512 coef = _mm512_mul_ps(_mm512_set1_ps(sa_rel), d);
+                    const __m512 tt = _mm512_add_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(ar[r]->asum8[j]));
+                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(coef, tt));
+                }
+            }
+        }
+        if (full)
+            for (int r = 0; r < R; r++)
+                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16[r]));
+    }
+    const __m512i map32 = lane_map32();
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+}
+
+X5V_TARGET static void block16f_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                                   int full, float *c, int64_t ldc, int ncols)
+{
+    block16f(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols);
+}
+
+X5V_TARGET static void block16f_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                                   int full, float *c, int64_t ldc, int ncols)
+{
+    block16f(b, prep, s_count, t, col16, 1, full, c, ldc, ncols);
+}
+
 /* ------------------------------------------------------------------------------------------ */
 /* The path */
 
@@ -460,9 +554,9 @@ X512_TARGET static void block16_m1(const uint8_t *b, const a_prep *prep, int64_t
 #define MXCSR_FLAGS 0x003fu /* sticky exception flags */
 #define MXCSR_MASKS 0x1f80u /* exception masks */
 
-/* wide: the AVX-512 variant (block16), else AVX2 (block8). */
+/* variant: VARIANT_FP16 (block16), VARIANT_VNNI (block16f) or VARIANT_AVX2 (block8). */
 X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packed, int64_t m, int64_t k, int64_t n,
-                                 float *c, a_prep *prep, int wide)
+                                 float *c, a_prep *prep, int variant)
 {
     const int64_t s_count = ceil_div(k, SUPERBLOCK_K);
     const int64_t t_count = ceil_div(n, TILE_N);
@@ -477,14 +571,19 @@ X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packe
             const int64_t col0 = t * TILE_N;
             const int full = col0 + TILE_N <= n_full;
             const int ncols = full ? TILE_N : (int)(n - col0);
+            const int wide = variant != VARIANT_AVX2;
             const int step = wide ? 16 : 8;
             for (int cb = 0; cb < ncols; cb += step) {
                 const int w = ncols - cb < step ? ncols - cb : step;
                 float *cp = c + row0 * n + col0 + cb;
-                if (wide && rows == ROW_GROUP)
+                if (variant == VARIANT_FP16 && rows == ROW_GROUP)
                     block16_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
-                else if (wide)
+                else if (variant == VARIANT_FP16)
                     block16_m1(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else if (wide && rows == ROW_GROUP)
+                    block16f_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
+                else if (wide)
+                    block16f_m1(b_packed, prep, s_count, t, cb, full, cp, n, w);
                 else if (rows == ROW_GROUP)
                     block8_m4(b_packed, prep, s_count, t, cb, full, cp, n, w);
                 else
@@ -510,7 +609,7 @@ npu_ime2_status npu_ime2_gemm_x86(const uint8_t *a_packed, const uint8_t *b_pack
     /* no flushing, round to nearest even, all exceptions masked (inf * 0 and overflow are results
      * here, never traps) */
     _mm_setcsr((csr & ~(MXCSR_DAZ | MXCSR_FTZ | MXCSR_RC)) | MXCSR_MASKS);
-    gemm_rows(a_packed, b_packed, m, k, n, c, prep, avx512_wanted());
+    gemm_rows(a_packed, b_packed, m, k, n, c, prep, x86_variant());
     _mm_setcsr(csr | (_mm_getcsr() & MXCSR_FLAGS));
     free(prep);
     return NPU_IME2_OK;

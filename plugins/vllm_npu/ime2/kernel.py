@@ -629,7 +629,9 @@ def _resolve_on_workers(allow: bool | None) -> int:
 
 def x86_variant() -> str:
     """The X86 path's variant on this CPU now (``npu_ime2_x86_variant``): ``avx512-vnni-fp16``,
-    ``avx2-f16c`` (also when ``NPU_IME2_X86_ISA=avx2`` forces it), or ``none`` (not an x86-64
+    ``avx512-vnni-f16c`` (AVX-512 VNNI without AVX512-FP16, e.g. AMD Zen 4; also when
+    ``NPU_IME2_X86_ISA=avx512-vnni`` caps it), ``avx2-f16c`` (also when ``NPU_IME2_X86_ISA=avx2``
+    forces it), or ``none`` (not an x86-64
     build, or no AVX2/F16C: ``auto`` then runs another path)."""
     return load_library().npu_ime2_x86_variant().decode()
 
