@@ -131,6 +131,35 @@ def test_fp16_accumulator_overflow_to_inf(m):
 
 
 @needs_x86
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_the_vnni_variants_rounding_shortcut_guards(m):
+    """The AVX-512 VNNI + F16C variant skips rounding fp16(dot_hi) when |dot_hi| <= 2048 and, for
+    a lone row, fp16(sc * 16) when |sc| < 4096, and reruns a 16-column block exactly when a lane
+    breaks either guard. Single columns break them here, among ordinary ones:
+
+    - sub-block 0: 31 activations quantize to 127 (a_hi = 7) and one to 100 (a_hi = 6); against
+      all-15 codes (columns 0..31, each with its own scale) dot_hi = 15 * 223 = 3345, which fp16
+      rounds to 3344;
+    - column 40, sub-block 9: scale 30000, so sc * 16 is beyond fp16 (inf); the sub-block's
+      activations all have a_hi = 0 except the largest, whose code is 0, so dot_hi = 0 and the
+      exact product 0 * inf is NaN where the unguarded shortcut would give 0.
+    """
+    rng = np.random.default_rng(300 + m)
+    k, n = 512, 64
+    qw, sc = rand_weights(rng, n, k)
+    qw[0:32, 0] = 0xFF  # columns 0..31, sub-block 0: every code 15
+    sc[40, 9] = 30000.0
+    qw[40, 9, 0] &= 0xF0  # column 40, sub-block 9, K 0: code 0
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    a[:, 0:32] = 3.0
+    a[:, 7] = 3.0 * 100 / 127  # quantizes to 100
+    a[:, 288:320] = 0.05  # sub-block 9: quantizes to 6 (a_hi = 0) ...
+    a[:, 288] = 1.0  # ... but for its largest, 127, at K 0
+    c = run_all(a, qw, sc)
+    assert np.isfinite(c[:, :40]).all()
+
+
+@needs_x86
 @pytest.mark.parametrize("m", [1, 4, 7])
 @pytest.mark.parametrize("exp", [-17, -20, -24])
 def test_fp16_subnormal_scales_and_products(m, exp):

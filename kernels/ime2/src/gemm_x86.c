@@ -368,6 +368,7 @@ X5V_INLINE void codes16(const uint8_t *p, __m512i even[4], __m512i odd[4])
     const __m512i g[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
                           _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
     const __m512i nib = _mm512_set1_epi8(0x0f);
+    _Pragma("GCC unroll 4")
     for (int i = 0; i < 4; i++) {
         even[i] = _mm512_and_si512(g[i], nib);
         odd[i] = _mm512_and_si512(_mm512_srli_epi16(g[i], 4), nib);
@@ -384,11 +385,14 @@ X5V_INLINE __m512i bcast32_512(const int8_t *p)
 X5V_INLINE void dots16(const __m512i even[4], const __m512i odd[4], const a_prep *const ar[ROW_GROUP], const int R,
                         int j, __m512i dhi[ROW_GROUP], __m512i dlo[ROW_GROUP])
 {
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) {
         dhi[r] = _mm512_setzero_si512();
         dlo[r] = _mm512_setzero_si512();
     }
+    _Pragma("GCC unroll 4")
     for (int g = 0; g < 4; g++)
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++) {
             const int8_t *h = ar[r]->hi[j] + 8 * g, *l = ar[r]->lo[j] + 8 * g;
             dhi[r] = _mm512_dpbusd_epi32(dhi[r], even[g], bcast32_512(h));
@@ -477,23 +481,40 @@ X5V_INLINE __m512 r16z(__m512 x)
 }
 
 /* block16() without AVX512-FP16: the VNNI int dots of block16 (same lane order), and block8()'s
- * fp32-emulated fp16 steps (every rounding an r16z) on 16 lanes. Bit-identical to both. */
-X5V_INLINE void block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col16,
-                         const int R, int full, float *c, int64_t ldc, int ncols)
+ * fp32-emulated fp16 steps (every rounding an r16z) on 16 lanes. Bit-identical to both.
+ *
+ * shortcut = 1 skips two roundings that are exact whenever a guard holds, and reports through the
+ * return value whether the guard held for every lane (0: the result is exact and stored) or not
+ * (1: nothing was stored; the caller runs shortcut = 0):
+ *   - h = r16z(dot_hi) is dot_hi itself when |dot_hi| <= 2048 (an integer of at most 11 bits);
+ *   - m1: sc16 = r16z(sc * 16) is sc * 16 itself (a power-of-two scaling of an fp16 value) unless
+ *     it leaves the fp16 range, i.e. unless |sc| >= 4096 (or sc is NaN).
+ * Both guards are lane masks (compares into k registers), much cheaper than the two conversions
+ * each rounding costs. Typical activations never trip them; an adversarial block costs a rerun. */
+X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col16,
+                        const int R, int full, float *c, int64_t ldc, int ncols, const int shortcut)
 {
     __m512 acc[ROW_GROUP];
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++)
         acc[r] = _mm512_setzero_ps();
     const __m256i map16 = lane_map16();
     const __m512 sixteen = _mm512_set1_ps(16.0f);
+    const __m512 sc_limit = _mm512_set1_ps(4096.0f);
+    const __m512i hi_bias = _mm512_set1_epi32(2048), hi_span = _mm512_set1_epi32(4096);
+    const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
+    __mmask16 bad = 0;
     for (int64_t s = 0; s < s_count; s++) {
         const a_prep *ar[ROW_GROUP];
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++)
             ar[r] = prep + r * s_count + s;
         const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
         __m512 d16[ROW_GROUP]; /* fp16 values */
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++)
             d16[r] = _mm512_setzero_ps();
+        _Pragma("GCC unroll 8")
         for (int j = 0; j < SUBBLOCKS; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
             __m512i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
@@ -503,17 +524,31 @@ X5V_INLINE void block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_
                 _mm256_permutexvar_epi16(map16, _mm256_loadu_si256((const __m256i *)(blk + 2 * col16))));
             if (full) {
                 const __m512 sc = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel[j])));
-                const __m512 sc16 = R == ROW_GROUP ? r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel16[j]))) /* m4 */
-                                                   : r16z(_mm512_mul_ps(sc, sixteen));                      /* m1 */
+                __m512 sc16;
+                if (R == ROW_GROUP) {
+                    sc16 = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel16[j]))); /* m4 */
+                } else if (shortcut) {                                               /* m1 */
+                    const __m512 sc_abs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(sc), abs_mask));
+                    bad |= _mm512_cmp_ps_mask(sc_abs, sc_limit, _CMP_NLT_UQ);
+                    sc16 = _mm512_mul_ps(sc, sixteen);
+                } else {
+                    sc16 = r16z(_mm512_mul_ps(sc, sixteen));
+                }
+                _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++) {
                     const __m512 zp = r16z(_mm512_mul_ps(sc, _mm512_set1_ps(ar[r]->asum8[j])));
                     acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), zp));
-                    const __m512 h = r16z(_mm512_cvtepi32_ps(dhi[r]));
+                    __m512 h = _mm512_cvtepi32_ps(dhi[r]);
+                    if (shortcut)
+                        bad |= _mm512_cmpgt_epu32_mask(_mm512_add_epi32(dhi[r], hi_bias), hi_span);
+                    else
+                        h = r16z(h);
                     d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(h, sc16))));
                     const __m512 l = r16z(_mm512_cvtepi32_ps(dlo[r]));
                     d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(l, sc))));
                 }
             } else {
+                _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++) {
                     const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
                     const float sa_rel = ar[r]->sa * ar[r]->rel[j];
@@ -523,26 +558,34 @@ X5V_INLINE void block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_
                 }
             }
         }
-        if (full)
+        if (full) {
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++)
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16[r]));
+        }
     }
+    if (bad)
+        return 1;
     const __m512i map32 = lane_map32();
     const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++)
         _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+    return 0;
 }
 
 X5V_TARGET static void block16f_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
                                    int full, float *c, int64_t ldc, int ncols)
 {
-    block16f(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols);
+    if (block16f(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols, full))
+        block16f(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols, 0);
 }
 
 X5V_TARGET static void block16f_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
                                    int full, float *c, int64_t ldc, int ncols)
 {
-    block16f(b, prep, s_count, t, col16, 1, full, c, ldc, ncols);
+    if (block16f(b, prep, s_count, t, col16, 1, full, c, ldc, ncols, full))
+        block16f(b, prep, s_count, t, col16, 1, full, c, ldc, ncols, 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
