@@ -132,10 +132,10 @@ def test_fp16_accumulator_overflow_to_inf(m):
 
 @needs_x86
 @pytest.mark.parametrize("m", [1, 4, 5])
-def test_the_vnni_variants_rounding_shortcut_guards(m):
-    """The AVX-512 VNNI + F16C variant skips rounding fp16(dot_hi) when |dot_hi| <= 2048 and, for
-    a lone row, fp16(sc * 16) when |sc| < 4096, and reruns a 16-column block exactly when a lane
-    breaks either guard. Single columns break them here, among ordinary ones:
+def test_the_rounding_shortcut_guards(m):
+    """The AVX2 + F16C and the AVX-512 VNNI + F16C variants skip rounding fp16(dot_hi) when
+    |dot_hi| <= 2048 and, for a lone row, fp16(sc * 16) when |sc| < 4096, and rerun a block of
+    8 / 16 columns exactly when a lane breaks either guard. Single columns break them here, among ordinary ones:
 
     - sub-block 0: 31 activations quantize to 127 (a_hi = 7) and one to 100 (a_hi = 6); against
       all-15 codes (columns 0..31, each with its own scale) dot_hi = 15 * 223 = 3345, which fp16

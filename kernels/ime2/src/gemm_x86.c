@@ -165,6 +165,7 @@ X86_INLINE void codes8(const uint8_t *p, __m256i even[4], __m256i odd[4])
     const __m256i g[4] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
                           _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3)};
     const __m256i nib = _mm256_set1_epi8(0x0f);
+    _Pragma("GCC unroll 4")
     for (int i = 0; i < 4; i++) {
         even[i] = _mm256_and_si256(g[i], nib);
         odd[i] = _mm256_and_si256(_mm256_srli_epi16(g[i], 4), nib);
@@ -176,11 +177,14 @@ X86_INLINE void dots8(const __m256i even[4], const __m256i odd[4], const a_prep 
                       int j, __m256i dhi[ROW_GROUP], __m256i dlo[ROW_GROUP])
 {
     __m256i sh[ROW_GROUP], sl[ROW_GROUP]; /* 16-bit sums, |x| <= 3600 */
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) {
         sh[r] = _mm256_setzero_si256();
         sl[r] = _mm256_setzero_si256();
     }
+    _Pragma("GCC unroll 4")
     for (int g = 0; g < 4; g++)
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++) {
             const int8_t *h = ar[r]->hi[j] + 8 * g, *l = ar[r]->lo[j] + 8 * g;
             sh[r] = _mm256_add_epi16(sh[r], _mm256_maddubs_epi16(even[g], bcast32(h)));
@@ -189,6 +193,7 @@ X86_INLINE void dots8(const __m256i even[4], const __m256i odd[4], const a_prep 
             sl[r] = _mm256_add_epi16(sl[r], _mm256_maddubs_epi16(odd[g], bcast32(l + 4)));
         }
     const __m256i ones = _mm256_set1_epi16(1);
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) {
         dhi[r] = _mm256_madd_epi16(sh[r], ones);
         dlo[r] = _mm256_madd_epi16(sl[r], ones);
@@ -199,20 +204,31 @@ X86_INLINE void dots8(const __m256i even[4], const __m256i odd[4], const a_prep 
  * 8 columns (col8 = first column within tile t) x R rows (R = 4: a row group, the m4 rules;
  * R = 1: a lone row, the m1 rules) over all superblocks; writes the first `ncols` columns of the
  * result. full: the tile is a full 32-column tile (.hp arithmetic), else the scalar tail's.
+ *
+ * shortcut = 1 skips the two roundings block16f() skips, under the same guards (|dot_hi| <= 2048;
+ * m1: |sc| < 4096), kept as vector masks and tested once at the end: 1 = a lane broke a guard and
+ * nothing was stored (the caller reruns with shortcut = 0), 0 = stored.
  */
-X86_INLINE void block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col8,
-                       const int R, int full, float *c, int64_t ldc, int ncols)
+X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col8,
+                      const int R, int full, float *c, int64_t ldc, int ncols, const int shortcut)
 {
+    __m256i bad = _mm256_setzero_si256();
+    const __m256 sc_limit = _mm256_set1_ps(4096.0f);
+    const __m256i hi_limit = _mm256_set1_epi32(2048);
+    const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 acc[ROW_GROUP];
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++)
         acc[r] = _mm256_setzero_ps();
     const __m256 sixteen = _mm256_set1_ps(16.0f);
     for (int64_t s = 0; s < s_count; s++) {
         const a_prep *ar[ROW_GROUP];
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++)
             ar[r] = prep + r * s_count + s;
         const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
         __m256 d16[ROW_GROUP]; /* fp16 values */
+        _Pragma("GCC unroll 4")
         for (int r = 0; r < R; r++)
             d16[r] = _mm256_setzero_ps();
         for (int j = 0; j < SUBBLOCKS; j++) {
@@ -224,20 +240,34 @@ X86_INLINE void block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_co
             if (full) {
                 /* a row group shares rel_j: sc and sc16 are the same for its rows */
                 const __m256 sc = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel[j])));
-                const __m256 sc16 = R == ROW_GROUP ? r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel16[j]))) /* m4 */
-                                                   : r16(_mm256_mul_ps(sc, sixteen));                     /* m1 */
+                __m256 sc16;
+                if (R == ROW_GROUP) {
+                    sc16 = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel16[j]))); /* m4 */
+                } else if (shortcut) {                                             /* m1 */
+                    bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(_mm256_and_ps(sc, abs_mask), sc_limit,
+                                                                                 _CMP_NLT_UQ)));
+                    sc16 = _mm256_mul_ps(sc, sixteen);
+                } else {
+                    sc16 = r16(_mm256_mul_ps(sc, sixteen));
+                }
+                _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++) {
                     /* acc = fp32(acc + sa * zp_j), zp_j = fp16(sc * asum8_j); the product is exact */
                     const __m256 zp = r16(_mm256_mul_ps(sc, _mm256_set1_ps(ar[r]->asum8[j])));
                     acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), zp));
                     /* vmadotsu.hp: d16 = fp16(d16 + fp16(fp16(dot_hi) * sc16)) */
-                    const __m256 h = r16(_mm256_cvtepi32_ps(dhi[r]));
+                    __m256 h = _mm256_cvtepi32_ps(dhi[r]);
+                    if (shortcut)
+                        bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_abs_epi32(dhi[r]), hi_limit));
+                    else
+                        h = r16(h);
                     d16[r] = r16(_mm256_add_ps(d16[r], r16(_mm256_mul_ps(h, sc16))));
                     /* vmadotu.hp: d16 = fp16(d16 + fp16(fp16(dot_lo) * sc)) */
                     const __m256 l = r16(_mm256_cvtepi32_ps(dlo[r]));
                     d16[r] = r16(_mm256_add_ps(d16[r], r16(_mm256_mul_ps(l, sc))));
                 }
             } else {
+                _Pragma("GCC unroll 4")
                 for (int r = 0; r < R; r++) {
                     /* acc = fp32(acc + fp32(fp32(fp32(sa * rel_j) * d) * fp32(dot + asum8_j))),
                      * dot = 16 * dot_hi + dot_lo (exact) */
@@ -249,10 +279,15 @@ X86_INLINE void block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_co
                 }
             }
         }
-        if (full)
+        if (full) {
+            _Pragma("GCC unroll 4")
             for (int r = 0; r < R; r++)
                 acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), d16[r]));
+        }
     }
+    if (!_mm256_testz_si256(bad, bad))
+        return 1;
+    _Pragma("GCC unroll 4")
     for (int r = 0; r < R; r++) {
         if (ncols == 8) {
             _mm256_storeu_ps(c + r * ldc, acc[r]);
@@ -262,18 +297,21 @@ X86_INLINE void block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_co
             memcpy(c + r * ldc, tmp, sizeof(float) * (size_t)ncols);
         }
     }
+    return 0;
 }
 
 X86_TARGET static void block8_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col8, int full,
                                  float *c, int64_t ldc, int ncols)
 {
-    block8(b, prep, s_count, t, col8, ROW_GROUP, full, c, ldc, ncols);
+    if (block8(b, prep, s_count, t, col8, ROW_GROUP, full, c, ldc, ncols, full))
+        block8(b, prep, s_count, t, col8, ROW_GROUP, full, c, ldc, ncols, 0);
 }
 
 X86_TARGET static void block8_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col8, int full,
                                  float *c, int64_t ldc, int ncols)
 {
-    block8(b, prep, s_count, t, col8, 1, full, c, ldc, ncols);
+    if (block8(b, prep, s_count, t, col8, 1, full, c, ldc, ncols, full))
+        block8(b, prep, s_count, t, col8, 1, full, c, ldc, ncols, 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
