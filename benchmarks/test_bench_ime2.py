@@ -69,8 +69,8 @@ IMPLS = ("npusim_exact", "c_portable", "c_x86_avx2", "c_x86_vnni", "c_x86", "c_a
 ORT_IMPLS = {"ort4_1t": (4, 1), "ort4_2t": (4, 2), "ort0_1t": (0, 1), "ort0_2t": (0, 2)}
 STREAM_BYTES = 256 << 20  # one array of the STREAM-like copy (well beyond any last-level cache)
 #: impl -> the C path it runs
-C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86_vnni": "x86", "c_x86": "x86", "c_auto": "auto", "c_auto_2t": "auto",
-           "c_gemm_only": "portable", "c_x86_gemm_only": "x86"}
+C_PATHS = {"c_portable": "portable", "c_x86_avx2": "x86", "c_x86_vnni": "x86", "c_x86": "x86", "c_auto": "auto",
+           "c_auto_2t": "auto", "c_gemm_only": "portable", "c_x86_gemm_only": "x86"}
 
 
 def _weights(k: int, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -112,7 +112,6 @@ def shape_ctx(request):
         "w_ref": q.dequantize_q4_0(qw, sc, dtype=np.float64),
         "b_packed": kernel.pack_b(qw, sc),
     }
-    ctx["b_bytes"] = len(ctx["b_packed"])  # pack_b returns bytes
     for impl, (level, threads) in ORT_IMPLS.items():
         ctx[impl] = _ort_session(qw, sc, k, n, threads, level)
     yield ctx
@@ -127,7 +126,7 @@ def _call(impl: str, ctx: dict, a: np.ndarray):
     path = C_PATHS.get(impl)
     if path is not None and path != "auto" and path not in kernel.usable_paths():
         pytest.skip(f"path {path!r} does not run on this CPU")
-    if impl in ("c_portable", "c_x86_avx2", "c_x86_vnni", "c_x86", "c_auto", "c_auto_2t"):
+    if path is not None and not impl.endswith("_gemm_only"):  # quantize_a + gemm_packed per call
         b, threads = ctx["b_packed"], 2 if impl.endswith("_2t") else 1
         return (lambda x: kernel.gemm_packed(kernel.quantize_a(x), b, m, k, n, path=path, threads=threads)), (a,)
     if impl == "c_quantize_a":
@@ -157,7 +156,7 @@ def test_ime2_gemm(benchmark, shape_ctx, m, impl, monkeypatch):
         assert err <= MUL_MAT_NMSE, f"{impl}: NMSE {err:.3e} against A @ dequant(W).T > {MUL_MAT_NMSE}"
     benchmark.group = f"K={k} N={n} M={m}"
     # weight bytes one call streams: our packed B (fp16 scales), or ORT's B + fp32 scales
-    w_bytes = k * n // 2 + n * (k // 32) * 4 if impl.startswith("ort") else shape_ctx["b_bytes"]
+    w_bytes = k * n // 2 + n * (k // 32) * 4 if impl.startswith("ort") else len(shape_ctx["b_packed"])
     benchmark.extra_info.update(impl=impl, K=k, N=n, M=m, models=SEED_SHAPES[(k, n)], weight_bytes=w_bytes,
                                 ort_version=ort.__version__, auto_path=kernel.auto_path(),
                                 x86_variant=kernel.x86_variant())  # after the NPU_IME2_X86_ISA choice above

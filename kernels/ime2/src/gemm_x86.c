@@ -440,6 +440,33 @@ X5V_INLINE void dots16(const __m512i even[4], const __m512i odd[4], const a_prep
         }
 }
 
+/* The scalar tail's fp32 step of sub-block j for R rows on 16 columns (d: their fp32 scales):
+ * acc = fp32(acc + fp32(fp32(fp32(sa * rel_j) * d) * fp32(dot + asum8_j))), dot = 16 * dot_hi +
+ * dot_lo (exact). Shared by block16() and block16f(). */
+X5V_INLINE void tail16(__m512 acc[ROW_GROUP], const a_prep *const ar[ROW_GROUP], const int R, int j, __m512 d,
+                       const __m512i dhi[ROW_GROUP], const __m512i dlo[ROW_GROUP])
+{
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++) {
+        const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
+        const float sa_rel = ar[r]->sa * ar[r]->rel[j];
+        const __m512 coef = _mm512_mul_ps(_mm512_set1_ps(sa_rel), d);
+        const __m512 tt = _mm512_add_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(ar[r]->asum8[j]));
+        acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(coef, tt));
+    }
+}
+
+/* Stores the first ncols of R rows of 16-column accumulators (lanes in the transposed order of
+ * codes16, permuted back to column order). Shared by block16() and block16f(). */
+X5V_INLINE void store16(const __m512 acc[ROW_GROUP], const int R, float *c, int64_t ldc, int ncols)
+{
+    const __m512i map32 = lane_map32();
+    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
+    _Pragma("GCC unroll 4")
+    for (int r = 0; r < R; r++)
+        _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+}
+
 X512_INLINE __m256h ph1(uint16_t bits) { return _mm256_castsi256_ph(_mm256_set1_epi16((short)bits)); }
 
 /* block8() for 16 columns (col16 = 0 or 16 within tile t); writes the first ncols of them. */
@@ -478,14 +505,7 @@ X512_INLINE void block16(const uint8_t *b_packed, const a_prep *prep, int64_t s_
                     d16[r] = _mm256_add_ph(d16[r], _mm256_mul_ph(_mm512_cvtepi32_ph(dlo[r]), sc));
                 }
             } else {
-                const __m512 d = _mm512_cvtph_ps(d_bits);
-                for (int r = 0; r < R; r++) {
-                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
-                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
-                    const __m512 coef = _mm512_mul_ps(_mm512_set1_ps(sa_rel), d);
-                    const __m512 tt = _mm512_add_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(ar[r]->asum8[j]));
-                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(coef, tt));
-                }
+                tail16(acc, ar, R, j, _mm512_cvtph_ps(d_bits), dhi, dlo);
             }
         }
         if (full)
@@ -494,10 +514,7 @@ X512_INLINE void block16(const uint8_t *b_packed, const a_prep *prep, int64_t s_
                 acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16_32));
             }
     }
-    const __m512i map32 = lane_map32();
-    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
-    for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+    store16(acc, R, c, ldc, ncols);
 }
 
 X512_TARGET static void block16_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
@@ -586,14 +603,7 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
                     d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(l, sc))));
                 }
             } else {
-                _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++) {
-                    const __m512i dot = _mm512_add_epi32(_mm512_slli_epi32(dhi[r], 4), dlo[r]);
-                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
-                    const __m512 coef = _mm512_mul_ps(_mm512_set1_ps(sa_rel), d);
-                    const __m512 tt = _mm512_add_ps(_mm512_cvtepi32_ps(dot), _mm512_set1_ps(ar[r]->asum8[j]));
-                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(coef, tt));
-                }
+                tail16(acc, ar, R, j, d, dhi, dlo);
             }
         }
         if (full) {
@@ -604,11 +614,7 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
     }
     if (bad)
         return 1;
-    const __m512i map32 = lane_map32();
-    const __mmask16 keep = (__mmask16)((1u << ncols) - 1u);
-    _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++)
-        _mm512_mask_storeu_ps(c + r * ldc, keep, _mm512_permutexvar_ps(map32, acc[r]));
+    store16(acc, R, c, ldc, ncols);
     return 0;
 }
 
