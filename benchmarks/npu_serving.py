@@ -1,7 +1,7 @@
 """An NPU simulator target vs vLLM's native CPU backend: output tokens/s under vLLM's own benchmarks.
 
     PYTHONPATH=plugins:simulators:conformance .venv/bin/python benchmarks/npu_serving.py \\
-        [--device mblt|rbln|neuron] [--rounds 3] [--workdir DIR] [--json PATH]
+        [--device mblt|rbln|neuron] [--rbln-impl optimum|vllm] [--rounds 3] [--workdir DIR] [--json PATH]
 
 ``--device neuron`` (issue 11's floor, the same 0.5): the tiny llama of ``npu-harness
 make-model --arch llama`` served by the Neuron plugin on ``neuron-sim`` (NEFFs on
@@ -16,6 +16,9 @@ warmed before round 1) against the native backend on the same directory with the
 the RBLN plugin on ``rbln-sim`` (optimum-rbln compiled on ``npusim.rbln``, ``--block-size 1024
 --max-num-seqs 8``, decoders for batches 8, 4, 2, 1; the compile cache is warmed before round
 1, so rounds measure serving, not compiling) against the native backend on the same directory.
+``--rbln-impl vllm``: the RBLN ``vllm`` model path instead (vLLM's own model code compiled with
+``rebel``'s torch.compile backend on ``RBLN-CR13``: ``--block-size 128 --max-num-batched-tokens
+128``, decode buckets 8, 4, 2, 1; its graphs compile at every start's warm-up).
 The rest of this docstring describes ``--device mblt`` (the default, issue 4).
 
 Issue 4's floor: "the simulator-backed server reaches at least half the native backend's
@@ -86,6 +89,11 @@ NEURON_ARGS = ["--max-model-len", "1024", "--max-num-batched-tokens", "1024",
                "--num-gpu-blocks-override", "512"]
 RBLN_ARGS = ["--max-model-len", "1024", "--block-size", "1024", "--max-num-seqs", "8",
              "--additional-config", json.dumps({"optimum_overrides": {"decoder_batch_sizes": [8, 4, 2, 1]}})]
+#: ``--rbln-impl vllm``: vLLM's own model code compiled with rbln_backend on a Rebel100 (the
+#: path is refused on ATOM): prefill chunks of 128, KV blocks of 128, decode buckets 8, 4, 2, 1.
+RBLN_VLLM_ARGS = ["--model-impl", "vllm", "--max-model-len", "1024", "--block-size", "128", "--max-num-seqs", "8",
+                  "--max-num-batched-tokens", "128", "--rbln-decode-batch-bucket-limit", "4"]
+RBLN_VLLM_ENV = {"RBLN_FORCE_NPU_NAME": "RBLN-CR13", "NPUSIM_RBLN": json.dumps({"devices": ["RBLN-CR13"]})}
 
 
 def build(workdir: Path) -> tuple[Path, Path]:
@@ -139,7 +147,7 @@ def model_and_args(backend: str, hf: Path, mxq: Path) -> tuple[Path, list[str]]:
     if backend == "mblt-sim":
         return mxq, ["--max-model-len", "1024"]
     if backend == "rbln-sim":
-        return hf, list(RBLN_ARGS)
+        return hf, list(RBLN_VLLM_ARGS if DEVICE.get("impl") == "vllm" else RBLN_ARGS)
     if backend == "neuron-sim":
         return hf, list(NEURON_ARGS)
     return hf, ["--max-model-len", "1024", "--max-num-seqs", "8"]
@@ -201,6 +209,9 @@ def run_serve(backend: str, hf: Path, mxq: Path, out: Path, a: argparse.Namespac
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", choices=("mblt", "rbln", "neuron"), default="mblt")
+    p.add_argument("--rbln-impl", choices=("optimum", "vllm"), default="optimum",
+                   help="--device rbln: the model path (optimum: optimum-rbln's compiled decoders; vllm: "
+                        "vLLM's own model code compiled with rbln_backend, on RBLN-CR13)")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--workdir", type=Path, help="model, artifact and logs (default: a temp dir)")
     p.add_argument("--json", type=Path, help="write the summary here")
@@ -214,6 +225,9 @@ def main(argv: list[str] | None = None) -> int:
                         "e.g. OMP_NUM_THREADS=1); repeatable")
     a = p.parse_args(argv)
     DEVICE["name"] = a.device
+    DEVICE["impl"] = a.rbln_impl
+    if a.device == "rbln" and a.rbln_impl == "vllm":
+        EXTRA_ENV.update(RBLN_VLLM_ENV)
     sim = f"{a.device}-sim"
     EXTRA_ENV.update(kv.split("=", 1) for kv in a.env)
     benches = [b for b in a.benches.split(",") if b]
@@ -223,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     hf, mxq = build(workdir)
     if a.device in ("rbln", "neuron"):  # warm the compile cache: rounds measure serving, not compiling
         t = time.monotonic()
-        warm_args = RBLN_ARGS if a.device == "rbln" else NEURON_ARGS
+        warm_args = model_and_args(sim, hf, mxq)[1]
         warm = vllm_server.start(hf, warm_args, env=backend_env(sim), log=workdir / "warm-cache.log")
         warm.stop()
         print(f"{a.device} compile cache warmed in {time.monotonic() - t:.1f} s (cold start)", flush=True)

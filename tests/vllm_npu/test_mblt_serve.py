@@ -30,6 +30,8 @@ openai = pytest.importorskip("openai")
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
+from _openai_serve import client_for  # noqa: E402
+from _openai_serve import extra as _extra  # noqa: E402
 from npu_conformance import vllm_server  # noqa: E402
 from npusim import tinymodel  # noqa: E402
 from npusim.llm import Decoder  # noqa: E402
@@ -201,15 +203,9 @@ def server(artifacts, side_runs, tmp_path_factory):  # noqa: ARG001 - side runs 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=300)
+    return client_for(server)
 
 
-def _extra(obj, name):
-    """A vLLM extension field of an openai response object."""
-    value = getattr(obj, name, None)
-    if value is None and getattr(obj, "model_extra", None):
-        value = obj.model_extra.get(name)
-    return value
 
 
 def _complete_ids(client, server, prompt, n=N_NEW, **kw):

@@ -18,7 +18,9 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from npu_conformance import vllm_server as vs  # noqa: E402
+from _openai_serve import client_for, start_or_fail  # noqa: E402
+from _openai_serve import extra as _extra  # noqa: E402
+from _openai_serve import prompt_ids as _prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -42,30 +44,14 @@ def golden(model_dir):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("neuron-serve")
-    env = vs.vllm_env("neuron-sim", VLLM_CACHE_ROOT=str(work / "cache"))
-    try:
-        srv = vs.start(model_dir, ARGS, env=env, log=work / "serve.log")
-    except vs.ServerError as exc:
-        pytest.fail(str(exc))
+    srv = start_or_fail(model_dir, ARGS, tmp_path_factory.mktemp("neuron-serve"), "neuron-sim")
     yield srv
     srv.stop()
 
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server.base + "/v1", api_key="x", max_retries=0, timeout=300)
-
-
-def _prompt(n, seed):
-    return np.random.default_rng(seed).integers(10, 1000, size=n).tolist()
-
-
-def _extra(obj, name):
-    value = getattr(obj, name, None)
-    if value is None and getattr(obj, "model_extra", None):
-        value = obj.model_extra.get(name)
-    return value
+    return client_for(server)
 
 
 def _counter(server, name: str, bucket: str) -> float:

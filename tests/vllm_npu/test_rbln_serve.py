@@ -14,23 +14,19 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from npu_conformance import vllm_server as vs  # noqa: E402
+from _openai_serve import client_for, start_or_fail  # noqa: E402
+from _openai_serve import extra as _extra  # noqa: E402
+from _openai_serve import prompt_ids as _prompt  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
 
 def _start(model, args, tmp_path_factory, name):
-    work = tmp_path_factory.mktemp(name)
-    env = vs.vllm_env("rbln-sim", VLLM_CACHE_ROOT=str(work / "cache"))
-    try:
-        return vs.start(model, args, env=env, log=work / "serve.log")
-    except vs.ServerError as exc:
-        pytest.fail(str(exc))
+    return start_or_fail(model, args, tmp_path_factory.mktemp(name), "rbln-sim")
 
 
 @pytest.fixture(scope="module")
@@ -58,19 +54,7 @@ def llama_golden(llama_dir):
 
 @pytest.fixture(scope="module")
 def client(llama_server):
-    return openai.OpenAI(base_url=llama_server.base + "/v1", api_key="x", max_retries=0, timeout=300)
-
-
-def _prompt(n, seed):
-    return np.random.default_rng(seed).integers(10, 1000, size=n).tolist()
-
-
-def _extra(obj, name):
-    """A vLLM extension field of an openai response object."""
-    value = getattr(obj, name, None)
-    if value is None and getattr(obj, "model_extra", None):
-        value = obj.model_extra.get(name)
-    return value
+    return client_for(llama_server)
 
 
 def test_flash_attention_completions_equal_golden(client, llama_server, llama_golden):
@@ -124,7 +108,7 @@ def qwen3(tmp_path_factory):
 
 def test_qwen3_eager_completions_equal_golden(qwen3):
     srv, golden = qwen3
-    c = openai.OpenAI(base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=300)
+    c = client_for(srv)
     for prompt in (_prompt(5, 4), _prompt(300, 5)):
         res = c.completions.create(model=srv.model, prompt=prompt, max_tokens=10, temperature=0,
                                    extra_body={"return_token_ids": True, "ignore_eos": True})

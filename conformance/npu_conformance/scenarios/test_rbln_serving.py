@@ -21,6 +21,11 @@ processes or vLLM's own ``EngineArgs.create_engine_config`` with the RBLN platfo
   block copy; both equal the golden decoder (the reused start is a multiple of the chunk).
 * ``compiled_dir_served``: a directory compiled ahead of time (optimum-rbln's own export) is
   served without compiling, with the scheduler taken from its ``rbln_config.json``.
+* ``vllm_path_served``: ``--model-impl vllm`` on a Rebel100: vLLM's own model code compiled with
+  ``rebel``'s torch.compile backend; warm-up compiles the prefill graph and one graph per decode
+  bucket, completions (a chunked prompt, concurrent requests on padded buckets) and chat equal
+  the golden decoder, and nothing compiles while serving; a second start of the same
+  configuration loads the compile cache (the mega-cache bundle) the first one wrote.
 """
 
 from __future__ import annotations
@@ -90,9 +95,11 @@ def test_impl_matrix(target, record, device_labs):
                                              r"supported on RBLN for now"),
         ("bogus", "RBLN-CA25", hf, r"unsupported model implementation 'bogus'; --model-impl takes "
                                    r"\['auto', 'optimum', 'transformers', 'vllm'\] on RBLN"),
-        # the vllm path on Rebel100 passes the device check, then is not built (issue 16)
-        ("vllm", "RBLN-CR13", hf, r"NotImplementedError: the vllm model path .*\(issue 16\)"),
-        ("auto", "RBLN-CR13", other, r"NotImplementedError: the vllm model path .*\(issue 16\)"),
+        # the vllm path on Rebel100: vLLM's own model code, compiled with rbln_backend
+        ("vllm", "RBLN-CR13", hf, "vllm"),
+        ("auto", "RBLN-CR13", other, "vllm"),
+        ("vllm", "RBLN-CR13", compiled, r"--model-impl vllm cannot serve .*aot-compiled: it holds a compiled "
+                                        r"optimum-rbln artifact"),
     ]
     done = 0
     for device in ("RBLN-CA25", "RBLN-CR13"):
@@ -106,6 +113,10 @@ def test_impl_matrix(target, record, device_labs):
             if want == "optimum":
                 assert "error" not in got, f"{label}: {got.get('error')}"
                 assert got["worker_cls"] == "vllm_npu.rbln.worker.RblnOptimumWorker", label
+            elif want == "vllm":
+                assert "error" not in got, f"{label}: {got.get('error')}"
+                assert got["worker_cls"] == "vllm_npu.rbln.vllm_worker.RblnVllmWorker", label
+                assert got["plan"]["impl"] == "vllm" and got["plan"]["npu"] == device, label
             else:
                 assert "error" in got and re.search(want, got["error"]), f"{label}: {got.get('error', got)}"
             done += 1
@@ -259,3 +270,65 @@ def test_prefix_reuse(target, record, device_labs):
     assert (256, 300, 0) in reuses, f"no in-place reuse of 256 tokens logged: {reuses}"
     assert (256, 300, 1) in reuses, f"no copied reuse of 256 tokens logged: {reuses}"
     record.figure("reused_tokens", sum(r[0] for r in reuses))
+
+
+#: The ``vllm`` model path's server: prefill chunks and KV blocks of 128, decode buckets 1, 2, 4.
+VLLM_PATH_ARGS = ("--model-impl", "vllm", "--max-model-len", LEN, "--block-size", "128", "--max-num-seqs", "4",
+                  "--max-num-batched-tokens", "128", "--rbln-decode-batch-bucket-limit", "3")
+
+
+def test_vllm_path_served(target, record, device_labs):
+    """``--model-impl vllm``: vLLM's own model code compiled with ``rebel``'s torch.compile
+    backend, on a Rebel100 (the path is refused on ATOM: on an ATOM board this skips)."""
+    lab = device_labs(target.name)
+    env = {}
+    if lab.simulated:
+        env = {"RBLN_FORCE_NPU_NAME": "RBLN-CR13", "NPUSIM_RBLN": json.dumps({"devices": ["RBLN-CR13"]})}
+    try:
+        srv = lab.server(lab.hf_dir(), VLLM_PATH_ARGS, **env)
+    except vs.ServerError as exc:
+        if "The vllm model path is not supported on RBLN-CA" in str(exc):
+            pytest.skip("the vllm model path runs on REBEL (RBLN-CR*) only; this board is an ATOM")
+        raise
+    warm = srv.log_text()
+    assert "RBLN model path: vllm" in warm
+    m = re.search(r"RBLN warm-up: (\d+) graphs compiled in ([\d.]+) s", warm)
+    assert m and int(m.group(1)) == 4, "the prefill graph and decode buckets 1, 2 and 4 compile at warm-up"
+    prompts = [_prompts(1, 300, seed=21)[0], *_prompts(3, 20, seed=22)]
+    with cf.ThreadPoolExecutor(4) as ex:
+        got = list(ex.map(lambda p: _ids(srv, p, 16), prompts))
+    for p, g in zip(prompts, got):
+        want = _golden(lab, p, 16)
+        if want is not None:
+            assert g == want
+        else:
+            assert _ids(srv, p, 16) == g
+    chat = srv.request("POST", "/v1/chat/completions", {
+        "model": srv.model, "messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 8,
+        "temperature": 0.0, "ignore_eos": True, "return_token_ids": True})
+    assert chat.status == 200, chat.body
+    chat_prompt, chat_ids = chat.body.get("prompt_token_ids"), chat.body["choices"][0].get("token_ids")
+    assert chat_prompt and chat_ids
+    want = _golden(lab, chat_prompt, 8)
+    if want is not None:
+        assert chat_ids == want
+    log = srv.log_text()
+    assert re.search(r"RBLN prefill: 300 tokens in 3 chunks of 128", log)
+    layouts = {(int(r), int(b)) for r, b in re.findall(r"RBLN decode: (\d+) rows on the batch-(\d+) graph", log)}
+    assert layouts and all(b == min(x for x in (1, 2, 4) if x >= r) for r, b in layouts), sorted(layouts)
+    assert "RBLN recompile" not in log, "a shape warm-up did not compile ran while serving"
+    # a second start of the same configuration loads the compile cache the first one wrote
+    assert "Saved rbln mega-cache bundle to" in log
+    t0 = time.perf_counter()
+    again = vs.start(lab.hf_dir(), VLLM_PATH_ARGS, env=lab.env(**env), log=lab.workdir / "vllm-path-again.log")
+    try:
+        took = time.perf_counter() - t0
+        assert _ids(again, prompts[1], 16) == got[1]
+    finally:
+        again.stop()
+    assert re.search(r"Loaded rbln mega-cache bundle from \S+ \(\{'programs': 4,", again.log_text()), \
+        again.log_text()[-3000:]
+    record.figure("second_start_s", round(took, 1))
+    record.figure("warm_up_graphs", int(m.group(1)))
+    record.figure("warm_up_s", float(m.group(2)))
+    record.figure("requests", len(prompts) + 1)

@@ -115,3 +115,19 @@ def prefill_chunk_size(name: str) -> int:
         return PREFILL_CHUNK_SIZE_BY_FAMILY["cr"]
     raise UnknownDeviceError(
         f"Unknown NPU device {name!r}; expected an ATOM (ca) or REBEL (cr) device.")
+
+
+_GIB, _MIB = 1 << 30, 1 << 20
+
+
+def dram_bytes(name: str) -> int:
+    """DRAM a program may use on one card of NPU ``name``, in bytes: optimum-rbln's
+    ``_dram_spec`` (reference §2): ATOM 16 GiB less a 288 MiB system reserve; Rebel100
+    144 GiB in 4 chiplets less 1 GiB reserve per chiplet.
+
+    Raises:
+        UnknownDeviceError: neither family (the message of :func:`family`).
+    """
+    if family(name) == "atom":
+        return 16 * _GIB - 288 * _MIB
+    return 4 * (36 * _GIB - 1 * _GIB)

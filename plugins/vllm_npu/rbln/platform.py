@@ -1,5 +1,6 @@
 """The RBLN vLLM platform: model-path choice, ``--rbln-*`` options, the compile cache and the
-scheduler plan, then the optimum worker.
+scheduler plan, then the worker of the path (:class:`vllm_npu.rbln.worker.RblnOptimumWorker`,
+or :class:`vllm_npu.rbln.vllm_worker.RblnVllmWorker` for the ``vllm`` path).
 
 Activated by the ``vllm.platform_plugins`` entry point ``rbln`` when ``NPU_HARNESS_TARGET`` is
 ``rbln-sim`` or ``rbln-hw``. What every NPU platform shares (vLLM's CPU kernels chosen for this
@@ -16,6 +17,10 @@ CPU, the worker hook, eager and synchronous steps) is in :class:`vllm_npu._platf
    into that entry (the worker runs it);
 4. sizes the scheduler from the compiled model (:mod:`vllm_npu.rbln.compile_plan`) and hands
    the worker its plan in ``additional_config``.
+
+On the ``vllm`` path, steps 2-4 are :meth:`RblnPlatform._configure_vllm_path` instead (its
+rules: :mod:`vllm_npu.rbln.vllm_path`), and the platform answers vLLM's attention layers with
+:class:`vllm_npu.rbln.attention.RblnAttentionBackend` as one opaque operator per layer.
 """
 
 from __future__ import annotations
@@ -34,10 +39,8 @@ from vllm_npu._platform import NpuPlatform, refuse_unsampled
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
 WORKER_CLS = "vllm_npu.rbln.worker.RblnOptimumWorker"
-VLLM_PATH_PENDING = (
-    "the vllm model path of the RBLN plugin (vLLM's own model code compiled through "
-    "rebel.core.torch_compile.rbln_backend) is not built yet (issue 16); use --model-impl "
-    "transformers with an architecture optimum-rbln implements")
+#: The worker of the ``vllm`` model path (vLLM's own model code compiled with ``rbln_backend``).
+VLLM_WORKER_CLS = "vllm_npu.rbln.vllm_worker.RblnVllmWorker"
 
 
 def _refuse_unbuilt(arch: str, category: str | None) -> None:
@@ -105,7 +108,7 @@ class RblnPlatform(NpuPlatform):
             vllm_npu.rbln.compile_plan.CompilePlanError: settings the compiled model or the
                 compile cannot take.
             RblnConfigError: tensor parallelism, speculative decoding or pipeline parallelism.
-            NotImplementedError: the ``vllm`` model path (issue 16).
+            vllm_npu.rbln.vllm_path.VllmPathError: settings the ``vllm`` model path cannot run.
         """
         from vllm_npu.rbln import compile_plan as cp
         from vllm_npu.rbln import device, engine_args, model_impl, options
@@ -118,6 +121,8 @@ class RblnPlatform(NpuPlatform):
             # Configured already (the API server's config, passed on to the engine process):
             # the plan and the settings it made stand; configuring again would read them back
             # as the user's (the KV block becomes the prefix-cache sub-block).
+            if extra[PLAN_KEY].get("impl") == "vllm":
+                vllm_config.parallel_config.worker_cls = VLLM_WORKER_CLS
             return
         extra = dict(extra) if isinstance(extra, dict) else extra
         res = model_impl.resolve_model_impl(flag, extra, os.environ, mc.model)
@@ -129,7 +134,8 @@ class RblnPlatform(NpuPlatform):
             name = None
         model_impl.reject_disabled(res, name)
         if res.impl == "vllm":
-            raise NotImplementedError(VLLM_PATH_PENDING)
+            cls._configure_vllm_path(vllm_config, extra, name)
+            return
         opts, _warnings = options.resolve(options.OptimumRBLNConfig, extra)
         par = vllm_config.parallel_config
         if par.tensor_parallel_size > 1:
@@ -239,6 +245,137 @@ class RblnPlatform(NpuPlatform):
         logger.info("RBLN platform: %s on %s, model %s (%s), max_num_seqs %d, block_size %d, "
                     "prefill chunk %d", res.impl, name, plan["compiled_dir"], model_class, max_num_seqs,
                     block, chunk)
+
+    @classmethod
+    def _configure_vllm_path(cls, vllm_config: Any, extra: Any, name: str | None) -> None:
+        """The ``vllm`` model path: vLLM's own model code, compiled with ``rbln_backend`` by
+        :class:`vllm_npu.rbln.vllm_worker.RblnVllmWorker` (rules: :mod:`vllm_npu.rbln.vllm_path`).
+
+        Raises:
+            vllm_npu.rbln.options.RBLNConfigError: foreign or bad ``--rbln-*`` options.
+            vllm_npu.rbln.vllm_path.VllmPathError: LoRA, chunked prefill off, parallelism or
+                speculative decoding, bad buckets, a KV cache that does not fit the part.
+            vllm_npu.rbln.device.NpuNameUnavailableError: no NPU name to compile for.
+        """
+        import math
+
+        import torch
+
+        from vllm_npu.rbln import device, engine_args, options, vllm_path
+        from vllm_npu.rbln.worker import PLAN_KEY
+
+        mc, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
+        opts, _warnings = options.resolve(options.RBLNConfig, extra)
+        if name is None:
+            raise device.NpuNameUnavailableError(
+                "Could not determine the RBLN NPU name (rebel.get_npu_name(0) returned None). Set "
+                "RBLN_FORCE_NPU_NAME to the target NPU (e.g., RBLN-CR13) so compilation can target it.")
+        from vllm_npu.rbln import model_impl
+
+        if model_impl.is_compiled_dir(mc.model):
+            raise vllm_path.VllmPathError(
+                f"--model-impl vllm cannot serve {mc.model}: it holds a compiled optimum-rbln artifact "
+                "(rbln_config.json), which only the optimum model path loads; pass the Hugging Face "
+                "checkpoint, or --model-impl optimum")
+        if vllm_config.lora_config is not None:
+            raise vllm_path.VllmPathError(vllm_path.LORA)
+        if sched.enable_chunked_prefill is False:
+            raise vllm_path.VllmPathError(vllm_path.CHUNKED_PREFILL_OFF)
+        par = vllm_config.parallel_config
+        for what, size in (("tensor_parallel_size", par.tensor_parallel_size),
+                           ("pipeline_parallel_size", par.pipeline_parallel_size)):
+            if size > 1:
+                raise vllm_path.VllmPathError(
+                    f"{what} {size}: the RBLN plugin's vllm model path runs one NPU per engine "
+                    "(several devices per rank are not built)")
+        if vllm_config.speculative_config is not None:
+            raise vllm_path.VllmPathError("speculative decoding is not built on the RBLN vllm model path")
+        if getattr(vllm_config, "kv_transfer_config", None) is not None:
+            raise NotImplementedError(
+                "KV cache offloading and disaggregated prefill/decode (vllm-rbln's kv_connectors "
+                "extra: nixl-rbln, lmcache-rbln) are not built in the RBLN plugin (issue 16)")
+        if opts.enforce_model_fp32 or mc.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            mc.dtype = torch.float32
+        _flag, user_tokens = engine_args.captured()
+        chunk = int(user_tokens) if user_tokens else device.prefill_chunk_size(name)
+        user_block = int(cache.block_size) if cache.user_specified_block_size else None
+        prefix = bool(cache.enable_prefix_caching)
+        if prefix:
+            # vLLM's own prefix caching: a hit is whole blocks, so the KV block is the
+            # prefix-cache sub-block (sub_block_size, default the prefill chunk).
+            sub = opts.sub_block_size or user_block or chunk
+            if user_block is not None and opts.sub_block_size and user_block != opts.sub_block_size:
+                raise vllm_path.VllmPathError(
+                    f"--rbln-sub-block-size {opts.sub_block_size} must equal --block-size {user_block} on "
+                    "the vllm model path (a prefix-cache hit is whole KV blocks there)")
+            if sub < chunk and not device.is_cr13(name):
+                raise vllm_path.VllmPathError(
+                    f"sub_block_size {sub} is below max_num_batched_tokens {chunk}: a sub_block_size below "
+                    f"max_num_batched_tokens needs the multi-block store that only REBEL CR13 carries; this "
+                    f"is {name}")
+            block = sub
+        else:
+            block = user_block or min(int(mc.max_model_len), 1024)
+        max_num_seqs = int(sched.max_num_seqs)
+        buckets = vllm_path.decode_buckets(
+            max_num_seqs, opts.decode_batch_bucket_strategy, opts.decode_batch_bucket_min,
+            opts.decode_batch_bucket_step, opts.decode_batch_bucket_limit, opts.decode_batch_bucket_manual_buckets)
+        hf = mc.hf_text_config
+        heads = int(hf.num_attention_heads)
+        head_size = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+        weights = sum(p.stat().st_size for p in Path(mc.model).glob("*.safetensors")) if Path(mc.model).is_dir() else 0
+        kv = vllm_path.kv_plan(
+            npu=name, max_num_seqs=max_num_seqs, max_model_len=int(mc.max_model_len), block_size=block,
+            num_layers=int(hf.num_hidden_layers), num_kv_heads=int(getattr(hf, "num_key_value_heads", heads)),
+            head_size=head_size, dtype_bytes=torch.tensor([], dtype=mc.dtype).element_size(),
+            weight_bytes=weights, memory_utilization=float(cache.gpu_memory_utilization),
+            override=cache.num_gpu_blocks_override)
+        if prefix:
+            logger.info("RBLN prefix caching (vllm model path): hits of whole %d-token KV blocks, read in "
+                        "place from vLLM's shared blocks", block)
+        cache.block_size = block
+        cache.num_gpu_blocks_override = kv.num_blocks
+        sched.enable_chunked_prefill = True
+        sched.max_num_batched_tokens = max(chunk, max_num_seqs)
+        sched.long_prefill_token_threshold = chunk
+        if getattr(sched, "max_num_scheduled_tokens", None) is not None:
+            sched.max_num_scheduled_tokens = min(sched.max_num_scheduled_tokens, sched.max_num_batched_tokens)
+        vllm_config.parallel_config.worker_cls = VLLM_WORKER_CLS
+        plan = {
+            "impl": "vllm", "npu": name, "chunk": chunk, "decode_buckets": buckets, "block_size": block,
+            "max_num_seqs": max_num_seqs,
+            "max_seq_len": math.ceil(int(mc.max_model_len) / block) * block, "num_blocks": kv.num_blocks,
+            "num_devices": opts.num_devices_per_local_rank, "prefix_caching": prefix,
+        }
+        resolved = {k: v for k, v in vars(opts).items() if v is not None}
+        vllm_config.additional_config = {**resolved, PLAN_KEY: plan}
+        logger.info("RBLN platform: vllm model path on %s, model %s, max_num_seqs %d, block_size %d, "
+                    "prefill chunk %d, decode buckets %s, %d KV blocks (%d bytes each)", name, mc.model,
+                    max_num_seqs, block, chunk, buckets, kv.num_blocks, kv.block_bytes)
+
+    @classmethod
+    def get_attn_backend_cls(cls, selected_backend: Any, attn_selector_config: Any, num_heads: Any = None) -> str:
+        """The RBLN attention backend (:mod:`vllm_npu.rbln.attention`), for vLLM's own model
+        code on the ``vllm`` model path (the optimum path builds no attention layers).
+
+        Raises:
+            NotImplementedError: MLA or sparse attention (their RBLN kernels are not built).
+        """
+        from vllm_npu.rbln import attention
+
+        for what in ("use_mla", "use_sparse"):
+            if getattr(attn_selector_config, what, False):
+                raise NotImplementedError(
+                    f"{what.removeprefix('use_').upper()} attention on the RBLN vllm model path is not built "
+                    "(issue 16): the RBLN attention backend runs standard decoder attention")
+
+        attention.register()
+        return attention.BACKEND_PATH
+
+    @classmethod
+    def opaque_attention_op(cls) -> bool:
+        """Attention is one opaque operator per layer in the graph the compiler sees."""
+        return True
 
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:

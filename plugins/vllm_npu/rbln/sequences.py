@@ -135,7 +135,8 @@ class SequenceTable:
     """
 
     def __init__(self, num_device_blocks: int, block_size: int, max_seq_len: int,
-                 decoder_buckets: Iterable[int], prefix_chunk: int | None = None) -> None:
+                 decoder_buckets: Iterable[int], prefix_chunk: int | None = None,
+                 shared_blocks: bool = False) -> None:
         self.num_device_blocks = int(num_device_blocks)
         self.block_size = int(block_size)
         self.width = int(max_seq_len) // int(block_size)
@@ -145,6 +146,10 @@ class SequenceTable:
         #: the table gives out device blocks itself and remembers what each holds.
         self.prefix = PrefixBlocks(self.num_device_blocks, self.block_size, int(prefix_chunk)) \
             if prefix_chunk else None
+        #: vLLM's own prefix caching over KV indexed by vLLM block id (the ``vllm`` model
+        #: path): a new request's first ``num_computed_tokens`` tokens are already in the
+        #: blocks vLLM hands it, and its prefill starts there.
+        self.shared_blocks = bool(shared_blocks)
 
     # ------------------------------------------------------------------ scheduler events
 
@@ -158,7 +163,7 @@ class SequenceTable:
             SequenceStateError: vLLM says part of it is already computed while prefix caching
                 is off (vLLM and the worker disagree about the configuration).
         """
-        if num_computed_tokens and self.prefix is None:
+        if num_computed_tokens and self.prefix is None and not self.shared_blocks:
             raise SequenceStateError(
                 f"req_id={req_id}: starts with {num_computed_tokens} computed tokens, but prefix "
                 "caching is off (--no-enable-prefix-caching)")
@@ -166,6 +171,8 @@ class SequenceTable:
         if self.prefix is not None:
             seq.phys = []
         seq.scheduled_end = int(num_computed_tokens)  # prefix mode: vLLM's own hit, advisory
+        if self.shared_blocks:
+            seq.device_len = int(num_computed_tokens)  # vLLM's hit: its blocks hold them
         self.seqs[req_id] = seq
         return seq
 
@@ -175,7 +182,8 @@ class SequenceTable:
         seq = self.seqs[req_id]
         if resumed:
             seq.blocks = list(new_block_ids or [])
-            seq.device_len = 0  # its blocks were freed: the device KV is gone
+            # its blocks were freed: the device KV is gone (but for vLLM's own prefix hit)
+            seq.device_len = int(num_computed_tokens) if self.shared_blocks else 0
             if self.prefix is not None:
                 self.prefix.release(seq)
             if all_token_ids is not None:
@@ -220,10 +228,14 @@ class SequenceTable:
                 continue  # a piece of a prompt: deferred to the step that schedules its end
             if end != total:
                 raise SequenceStateError(f"req_id={rid}: scheduled up to {end}, but it has {total} tokens")
-            if seq.device_len == end - 1 and seq.device_len > 0:
+            if seq.device_len == end - 1 and seq.device_len > 0 and (
+                    not self.shared_blocks or end - 1 >= len(seq.prompt_ids)):
                 if self.prefix is not None:
                     self.prefix.grow(seq, end)
                 decodes.append(seq)
+            elif self.shared_blocks and seq.device_len < len(seq.prompt_ids):
+                # vLLM's prefix hit: the prefill runs from the first token it did not find
+                prefills.append(Prefill(seq, seq.all_ids[:end], self._table(seq), seq.device_len))
             else:
                 if seq.device_len:
                     raise SequenceStateError(

@@ -73,10 +73,75 @@ def model_class(name: str) -> Any:
         raise RblnWorkerError(f"optimum-rbln provides no {name} ({exc}); pip install optimum-rbln==0.12.0") from exc
 
 
-class RblnOptimumWorker(NpuWorker):
-    """vLLM worker running optimum-rbln compiled decoders (see the module docstring)."""
+class RblnStepWorker(NpuWorker):
+    """What both RBLN workers share: a step's scheduler output applied to the
+    :class:`~vllm_npu.rbln.sequences.SequenceTable`, the device work of its plan
+    (:meth:`_run`, each path's own), then host sampling of the rows that finished a prompt or
+    decoded (:mod:`vllm_npu.host_sampling`).
+
+    Subclasses set ``self.table``, ``self.sampler`` and ``self.stats`` (with ``steps``) and
+    implement :meth:`_run`.
+    """
 
     npu_name = "RBLN"
+    table: SequenceTable | None = None
+    sampler: HostSampler | None = None
+
+    def _run(self, plan: StepPlan) -> np.ndarray:
+        """Run ``plan`` on the device; return the logits of :meth:`StepPlan.sampled`, in order."""
+        raise NotImplementedError
+
+    def sample_tokens(self, grammar_output):  # noqa: ARG002
+        raise NotImplementedError("the RBLN worker samples inside execute_model")
+
+    def execute_model(self, scheduler_output):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        so = scheduler_output
+        table = self.table
+        assert table is not None and self.sampler is not None
+        for rid in so.finished_req_ids:
+            table.finish(rid)
+        for rid in so.preempted_req_ids or ():
+            table.preempt(rid)
+        for new in so.scheduled_new_reqs:
+            params = new.sampling_params
+            gen = None
+            if params is not None and params.seed is not None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(params.seed)
+            table.add(new.req_id, new.prompt_token_ids or [], params, gen, new.block_ids[0], new.num_computed_tokens)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            blocks = cached.new_block_ids[i]
+            all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
+            table.update(rid, blocks[0] if blocks else None, rid in cached.resumed_req_ids,
+                         cached.num_computed_tokens[i], all_ids)
+        order = list(so.num_scheduled_tokens)
+        if not order:
+            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        self.stats["steps"] += 1
+        plan = table.plan(dict(so.num_scheduled_tokens))
+        logits = self._run(plan)
+        table.done(plan)
+
+        index = {rid: i for i, rid in enumerate(order)}
+        sampled: list[list[int]] = [[] for _ in order]
+        logprobs = None
+        seqs = plan.sampled()
+        if seqs:
+            reqs = [SampleRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs]
+            toks, lp = self.sampler.sample(logits, reqs)
+            for s, tok in zip(seqs, toks):
+                sampled[index[s.req_id]] = [int(tok)]
+                s.output_ids.append(int(tok))
+            logprobs = scatter_logprobs(lp, [index[s.req_id] for s in seqs], len(order))
+        return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
+                                 logprobs=logprobs, prompt_logprobs_dict={})
+
+
+class RblnOptimumWorker(RblnStepWorker):
+    """vLLM worker running optimum-rbln compiled decoders (see the module docstring)."""
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False) -> None:
@@ -179,55 +244,7 @@ class RblnOptimumWorker(NpuWorker):
         if self.table is not None:
             self.table.seqs.clear()
 
-    def sample_tokens(self, grammar_output):  # noqa: ARG002
-        raise NotImplementedError("the RBLN worker samples inside execute_model")
-
     # ------------------------------------------------------------------ the step
-
-    def execute_model(self, scheduler_output):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        so = scheduler_output
-        table = self.table
-        assert table is not None and self.sampler is not None
-        for rid in so.finished_req_ids:
-            table.finish(rid)
-        for rid in so.preempted_req_ids or ():
-            table.preempt(rid)
-        for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            gen = None
-            if params is not None and params.seed is not None:
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(params.seed)
-            table.add(new.req_id, new.prompt_token_ids or [], params, gen, new.block_ids[0], new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            blocks = cached.new_block_ids[i]
-            all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
-            table.update(rid, blocks[0] if blocks else None, rid in cached.resumed_req_ids,
-                         cached.num_computed_tokens[i], all_ids)
-        order = list(so.num_scheduled_tokens)
-        if not order:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
-        self.stats["steps"] += 1
-        plan = table.plan(dict(so.num_scheduled_tokens))
-        logits = self._run(plan)
-        table.done(plan)
-
-        index = {rid: i for i, rid in enumerate(order)}
-        sampled: list[list[int]] = [[] for _ in order]
-        logprobs = None
-        seqs = plan.sampled()
-        if seqs:
-            reqs = [SampleRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs]
-            toks, lp = self.sampler.sample(logits, reqs)
-            for s, tok in zip(seqs, toks):
-                sampled[index[s.req_id]] = [int(tok)]
-                s.output_ids.append(int(tok))
-            logprobs = scatter_logprobs(lp, [index[s.req_id] for s in seqs], len(order))
-        return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
-                                 logprobs=logprobs, prompt_logprobs_dict={})
 
     def _device_call(self, what: str, fn):
         """``fn()`` with one retry on a runtime error (see the module docstring)."""

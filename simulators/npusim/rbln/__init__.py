@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 
 from . import ops  # noqa: F401  (registers torch.ops.rbln_custom_ops)
+from . import sampler_ops  # noqa: F401  (registers torch.ops.rbln.argmax / top_k_top_p)
+from . import core  # noqa: F401  (rebel.core.torch_compile, rebel.core.mega_cache)
 from . import compile_context, parts
 from .compile_context import CompileContext
 from .compiler import COMPILER, RBLNCompiledModel, compile, compile_from_torch

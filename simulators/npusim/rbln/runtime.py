@@ -34,7 +34,7 @@ from . import memory, parts
 from .compiler import DTYPES, RBLNCompiledModel
 from .errors import RBLNDeviceError, RBLNInputError, RBLNRuntimeFault
 
-__all__ = ["Runtime", "calls", "invalid_device_message"]
+__all__ = ["Runtime", "calls", "count_call", "invalid_device_message"]
 
 _lock = threading.Lock()
 _state = {"calls": 0}
@@ -80,6 +80,27 @@ def invalid_device_message(device_id: Any) -> str:
 def calls() -> int:
     """Runtime calls made in this process so far (the fault counter)."""
     return _state["calls"]
+
+
+def count_call(device: int) -> None:
+    """Count one device call of this process (a :class:`Runtime` call or a call of a graph the
+    torch.compile backend compiled) and let an injected fault strike it.
+
+    Raises:
+        RBLNRuntimeFault: the ``$NPUSIM_RBLN`` fault strikes this call (before any buffer is
+            touched).
+    """
+    st = parts.settings()
+    with _lock:
+        _state["calls"] += 1
+        n = _state["calls"]
+    if st.fault is not None and st.fault.strikes(n):
+        msg = (f"RBLN runtime error on device {device}: command timed out "
+               f"(npusim.rbln injected fault, runtime call {n})")
+        if st.fault_log:
+            with open(st.fault_log, "a") as fh:
+                fh.write(msg + "\n")
+        raise RBLNRuntimeFault(msg)
 
 
 class _Group:
@@ -201,17 +222,7 @@ class Runtime:
             RBLNInputError: a missing, extra or mis-shaped input (names it).
             RBLNRuntimeFault: an injected fault struck this call.
         """
-        st = parts.settings()
-        with _lock:
-            _state["calls"] += 1
-            n = _state["calls"]
-        if st.fault is not None and st.fault.strikes(n):
-            msg = (f"RBLN runtime error on device {self.devices[0]}: command timed out "
-                   f"(npusim.rbln injected fault, runtime call {n})")
-            if st.fault_log:
-                with open(st.fault_log, "a") as fh:
-                    fh.write(msg + "\n")
-            raise RBLNRuntimeFault(msg)
+        count_call(self.devices[0])
         self._check(tensors)
         it = iter(tensors)
         args = [self._group.buffers[n] if n in self._group.buffers else next(it) for n in self._order]
