@@ -59,6 +59,17 @@ def num_logprobs(params: object, vocab_size: int, field: str = "logprobs") -> in
     return int(vocab_size) if n == -1 else min(n, int(vocab_size))
 
 
+def request_generator(params: object) -> torch.Generator | None:
+    """The CPU generator a request samples with: seeded with ``params.seed`` when the request
+    set one (its samples then repeat run to run), else None (the sampler's shared stream)."""
+    seed = getattr(params, "seed", None) if params is not None else None
+    if seed is None:
+        return None
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(seed)
+    return gen
+
+
 @dataclass
 class SampleRequest:
     """What the sampler needs of one request: its params, ids so far and its generator."""

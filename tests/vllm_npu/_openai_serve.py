@@ -35,6 +35,17 @@ def prompt_ids(n: int, seed: int) -> list[int]:
     return np.random.default_rng(seed).integers(10, 1000, size=n).tolist()
 
 
+def chat_greedy_ids(client: Any, server: vs.Server, content: str, max_tokens: int) -> tuple[list[int], list[int]]:
+    """One greedy chat turn (``ignore_eos``) of ``content``: (the templated prompt's token ids
+    the server reports, the generated token ids); a test compares them with the golden decoder."""
+    res = client.chat.completions.create(model=server.model, max_tokens=max_tokens, temperature=0,
+                                         messages=[{"role": "user", "content": content}],
+                                         extra_body={"return_token_ids": True, "ignore_eos": True})
+    prompt = extra(res, "prompt_token_ids")
+    assert prompt, "the server returned no prompt_token_ids"
+    return prompt, extra(res.choices[0], "token_ids")
+
+
 def extra(obj: Any, name: str) -> Any:
     """A vLLM extension field (``token_ids``, ``prompt_token_ids``) of an openai response object."""
     value = getattr(obj, name, None)

@@ -12,7 +12,13 @@ pytest.importorskip("vllm")
 
 from vllm import SamplingParams  # noqa: E402
 
-from vllm_npu.host_sampling import HostSampler, SampleRequest, num_logprobs, scatter_logprobs  # noqa: E402
+from vllm_npu.host_sampling import (  # noqa: E402
+    HostSampler,
+    SampleRequest,
+    num_logprobs,
+    request_generator,
+    scatter_logprobs,
+)
 
 VOCAB = 50
 
@@ -20,6 +26,15 @@ VOCAB = 50
 @pytest.mark.parametrize(("asked", "want"), [(None, None), (0, 0), (3, 3), (-1, VOCAB), (500, VOCAB)])
 def test_num_logprobs(asked, want):
     assert num_logprobs(SamplingParams(logprobs=asked), VOCAB) == want
+
+
+def test_request_generator_repeats_a_seeded_request_and_leaves_others_on_the_shared_stream():
+    assert request_generator(None) is None
+    assert request_generator(SamplingParams(temperature=1.0)) is None
+    draws = [torch.rand(4, generator=request_generator(SamplingParams(temperature=1.0, seed=7))) for _ in range(2)]
+    other = torch.rand(4, generator=request_generator(SamplingParams(temperature=1.0, seed=8)))
+    assert torch.equal(draws[0], draws[1])
+    assert not torch.equal(draws[0], other)
 
 
 def test_logprobs_minus_one_returns_every_token_equal_to_log_softmax():

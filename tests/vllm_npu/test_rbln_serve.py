@@ -18,7 +18,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from _openai_serve import client_for, start_or_fail  # noqa: E402
+from _openai_serve import chat_greedy_ids, client_for, start_or_fail  # noqa: E402
 from _openai_serve import extra as _extra  # noqa: E402
 from _openai_serve import prompt_ids as _prompt  # noqa: E402
 
@@ -68,12 +68,8 @@ def test_flash_attention_completions_equal_golden(client, llama_server, llama_go
 
 
 def test_chat_equals_golden_over_the_templated_prompt(client, llama_server, llama_golden):
-    res = client.chat.completions.create(model=llama_server.model, max_tokens=10, temperature=0,
-                                         messages=[{"role": "user", "content": "Name three colours."}],
-                                         extra_body={"return_token_ids": True, "ignore_eos": True})
-    prompt_ids = _extra(res, "prompt_token_ids")
-    got = _extra(res.choices[0], "token_ids")
-    assert prompt_ids and got == llama_golden.generate_greedy(prompt_ids, 10)
+    prompt, out = chat_greedy_ids(client, llama_server, "Name three colours.", 10)
+    assert out == llama_golden.generate_greedy(prompt, 10)
 
 
 def test_streamed_completion_equals_unstreamed(client, llama_server):

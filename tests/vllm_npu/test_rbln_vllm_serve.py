@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 
 from npu_conformance import vllm_server as vs  # noqa: E402
 
-from _openai_serve import client_for, start_or_fail  # noqa: E402
+from _openai_serve import chat_greedy_ids, client_for, start_or_fail  # noqa: E402
 from _openai_serve import extra as _extra  # noqa: E402
 from _openai_serve import prompt_ids as _prompt  # noqa: E402
 
@@ -79,11 +79,8 @@ def test_completions_equal_golden_with_a_chunked_prompt(client, server, golden):
 
 
 def test_chat_equals_golden_over_the_templated_prompt(client, server, golden):
-    res = client.chat.completions.create(model=server.model, max_tokens=10, temperature=0,
-                                         messages=[{"role": "user", "content": "Name three colours."}],
-                                         extra_body={"return_token_ids": True, "ignore_eos": True})
-    prompt_ids = _extra(res, "prompt_token_ids")
-    assert prompt_ids and _extra(res.choices[0], "token_ids") == golden.generate_greedy(prompt_ids, 10)
+    prompt, out = chat_greedy_ids(client, server, "Name three colours.", 10)
+    assert out == golden.generate_greedy(prompt, 10)
 
 
 def test_concurrent_requests_run_on_padded_buckets(client, server, golden):

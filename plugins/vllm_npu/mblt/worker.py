@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
-from vllm_npu.host_sampling import num_logprobs, scatter_logprobs
+from vllm_npu.host_sampling import num_logprobs, request_generator, scatter_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
@@ -410,10 +410,7 @@ class MbltWorker(NpuWorker):
 
     def _add(self, new) -> None:
         params = new.sampling_params
-        gen = None
-        if params is not None and params.seed is not None:
-            gen = torch.Generator(device="cpu")
-            gen.manual_seed(params.seed)
+        gen = request_generator(params)
         vslot = self._assign_vslot(new.req_id)
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
                   RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"), vslot, gen)

@@ -290,14 +290,13 @@ class NeuronWorker(NpuWorker):
     # ------------------------------------------------------------------ the step
 
     def _update_states(self, so) -> None:
+        from vllm_npu.host_sampling import request_generator
+
         for rid in so.finished_req_ids:
             self.seqs.pop(rid, None)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            gen = None
-            if params is not None and params.seed is not None:
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(params.seed)
+            gen = request_generator(params)
             old = self.seqs.get(new.req_id)
             self.seqs[new.req_id] = _Seq(new.req_id, list(new.prompt_token_ids or []), params, gen,
                                          list(new.block_ids[0]), int(new.num_computed_tokens),

@@ -13,7 +13,8 @@ the engine starts (reference §7, §8 "vllm wiring").
   against the part's DRAM (:func:`vllm_npu.rbln.device.dram_bytes`) times
   ``gpu_memory_utilization`` less the weights, as the device would refuse them.
 * refusals with vllm-rbln's messages: chunked prefill off, LoRA; and what this plugin does
-  not build on the path (tensor/pipeline parallelism, speculative decoding, prefix caching).
+  not build on the path (tensor/pipeline parallelism, speculative decoding). Prefix caching is
+  vLLM's own (the worker starts a prefill at vLLM's cache hit).
 
 Nothing here imports vLLM, torch or the device runtime.
 """

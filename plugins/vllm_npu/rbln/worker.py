@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
-from vllm_npu.host_sampling import HostSampler, SampleRequest, scatter_logprobs
+from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator, scatter_logprobs
 from vllm_npu.rbln import compile_plan as cp
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 
@@ -106,10 +106,7 @@ class RblnStepWorker(NpuWorker):
             table.preempt(rid)
         for new in so.scheduled_new_reqs:
             params = new.sampling_params
-            gen = None
-            if params is not None and params.seed is not None:
-                gen = torch.Generator(device="cpu")
-                gen.manual_seed(params.seed)
+            gen = request_generator(params)
             table.add(new.req_id, new.prompt_token_ids or [], params, gen, new.block_ids[0], new.num_computed_tokens)
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
