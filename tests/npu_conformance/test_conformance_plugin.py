@@ -150,6 +150,95 @@ def test_loadfile_keeps_the_lab_scenarios_on_one_worker():
     assert split(sched, "mine/test_serving.py::test_a") == "mine/test_serving.py"
 
 
+class _Node:
+    """What xdist's ``_assign_work_unit`` asks of a worker: the test indexes it is sent."""
+
+    def __init__(self):
+        self.sent: list[list[int]] = []
+
+    def send_runtest_some(self, indexes):
+        self.sent.append(list(indexes))
+
+
+def _scheduler(tmp_path, units: dict[str, int], durations):
+    """A LabAwareLoadFile over ``units`` (work unit -> test count) whose run root is
+    ``tmp_path``, with ``durations`` written to its durations file (None: no file)."""
+    from collections import OrderedDict
+    from types import SimpleNamespace
+
+    from npu_conformance import xdist_scheduling as xs
+
+    if durations is not None:
+        (tmp_path / xs.DURATIONS_FILE).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / xs.DURATIONS_FILE).write_text(durations if isinstance(durations, str) else json.dumps(durations))
+    collection = [f"{unit}::t{i}" for unit, n in units.items() for i in range(n)]
+    node = _Node()
+    sched = xs.LabAwareLoadFile.__new__(xs.LabAwareLoadFile)
+    sched.config = SimpleNamespace(rootpath=tmp_path)
+    sched.workqueue = OrderedDict((u, {f"{u}::t{i}": False for i in range(n)}) for u, n in units.items())
+    sched.assigned_work = {}
+    sched.registered_collections = {node: collection}
+    return sched, node, collection
+
+
+def _handed_out(sched, node, collection) -> list[str]:
+    while sched.workqueue:
+        sched._assign_work_unit(node)
+    return [collection[batch[0]].split("::")[0] for batch in node.sent]
+
+
+@pytest.mark.parametrize(("durations", "want"), [
+    # longest first; a unit the file does not know counts as the median (20 s)
+    ({"a.py": 5, "b.py": 300, "c.py": 20}, ["b.py", "c.py", "d.py", "a.py"]),
+    # no file, or a broken one: xdist's own order (units with the most tests first)
+    (None, ["a.py", "b.py", "c.py", "d.py"]),
+    ("{not json", ["a.py", "b.py", "c.py", "d.py"]),
+    ('["a.py"]', ["a.py", "b.py", "c.py", "d.py"]),
+])
+def test_loadfile_hands_out_the_longest_known_units_first(tmp_path, durations, want):
+    # xdist's own _assign_work_unit pops the queue; the scheduler orders it once, before the first.
+    sched, node, collection = _scheduler(tmp_path, {"a.py": 9, "b.py": 1, "c.py": 3, "d.py": 2}, durations)
+    assert _handed_out(sched, node, collection) == want
+
+
+def test_durations_from_a_junit_report_sum_each_work_unit(tmp_path):
+    from npu_conformance import xdist_scheduling as xs
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text(
+        '<testsuites><testsuite name="pytest">'
+        '<testcase classname="tests.vllm_npu.test_isa_serve" name="test_a" time="100.25"/>'
+        '<testcase classname="tests.vllm_npu.test_isa_serve" name="test_b" time="20"/>'
+        '<testcase classname="tests.test_cli.TestHelp" name="test_c" time="1.5"/>'
+        '<testcase classname="conformance.npu_conformance.scenarios.test_serving" name="test_d[mblt-sim]" time="30"/>'
+        '<testcase classname="conformance.npu_conformance.scenarios.test_rbln_serving" name="test_e" time="12"/>'
+        '<testcase classname="conformance.npu_conformance.scenarios.test_ime2_tiles" name="test_f" time="3"/>'
+        '</testsuite></testsuites>')
+    assert xs.durations_from_junit(junit) == {
+        "conformance/npu_conformance/scenarios/test_ime2_tiles.py": 3.0,
+        xs.LAB_SCOPE: 42.0,
+        "tests/test_cli.py": 1.5,
+        "tests/vllm_npu/test_isa_serve.py": 120.2,
+    }
+    out = tmp_path / "durations.json"
+    assert xs.main([str(junit), str(out)]) == 0
+    assert xs.read_durations(out)[xs.LAB_SCOPE] == 42.0
+    empty = tmp_path / "empty.xml"
+    empty.write_text("<testsuites/>")
+    with pytest.raises(ValueError, match="no test case"):
+        xs.durations_from_junit(empty)
+
+
+def test_the_committed_durations_cover_the_suite_s_long_units(pytestconfig):
+    # tests/durations.json is what orders ./dev test's queue (refresh it with the module's main
+    # from a whole run's --junitxml report). The lab scenarios are the longest unit there.
+    from npu_conformance import xdist_scheduling as xs
+
+    seconds = xs.read_durations(pytestconfig.rootpath / xs.DURATIONS_FILE)
+    assert seconds, f"{xs.DURATIONS_FILE} is missing or empty"
+    assert max(seconds, key=seconds.get) == xs.LAB_SCOPE
+
+
 
 def test_the_plugin_gives_xdist_the_lab_aware_scheduler_for_loadfile_only(pytestconfig, monkeypatch):
     # Real xdist asks the plugin's hook first (tryfirst, firstresult): for --dist loadfile it gets
