@@ -69,13 +69,15 @@ def _enter_ai_cores(set_ai_thread: str = SET_AI_THREAD) -> None:
 
 
 def _fork_op() -> Callable | None:
-    """``torch.ops._C.ime2_hp_gemm_cpu`` after loading vllm._C, or None."""
+    """``torch.ops._C.ime2_hp_gemm_cpu`` after loading the vLLM kernel build this CPU can run
+    (:func:`vllm_npu.cpu_kernels.load_vllm_cpu_kernels`: ``vllm._C`` on the K3, never blindly
+    on an x86-64 CPU without AVX-512, where it dies with SIGILL), or None."""
     import torch
 
-    try:
-        import vllm._C  # noqa: F401 - registers torch.ops._C.*
-    except ImportError as exc:
-        print(f"import vllm._C failed: {exc}", file=sys.stderr)
+    from vllm_npu.cpu_kernels import load_vllm_cpu_kernels
+
+    if load_vllm_cpu_kernels() is None:  # registers torch.ops._C.*; logs why when it cannot
+        print("no vLLM CPU kernel build fits this CPU", file=sys.stderr)
         return None
     try:
         return torch.ops._C.ime2_hp_gemm_cpu
