@@ -25,6 +25,17 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     except tg.UnknownTargetError as exc:
         print(f"npu-harness conformance: {exc}", file=sys.stderr)
         return 2
+    if args.vendor:
+        columns = tg.vendor_columns(names)
+        if not columns:
+            print(f"npu-harness conformance: --vendor: no vendor column runs on {', '.join(tg.expand(names))} "
+                  f"(vendor columns: {', '.join(n for n, t in tg.TARGETS.items() if t.kind == 'vendor')})",
+                  file=sys.stderr)
+            return 2
+        code = _build_vendor_envs(columns)
+        if code:
+            return code
+        names = [*names, *columns]
     out = Path(args.report)
     pytest_args = ["--pyargs", "npu_conformance.scenarios", "-p", "no:cacheprovider",
                    "--report", str(out), "-q", "-rN"]
@@ -39,6 +50,40 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     print(report_mod.format_text(report_mod.load(out)))
     print(f"\nreport: {out / 'report.json'}, {out / 'report.md'}")
     return int(code)
+
+
+def _build_vendor_envs(columns: list[str]) -> int:
+    """Build (or find cached) the environments of ``columns``; 0, or 2 after printing why not."""
+    import os
+
+    from npu_conformance import vendor_envs
+
+    for column in columns:
+        env = vendor_envs.by_column(column)
+        if os.environ.get(env.override_var):
+            continue  # an environment built elsewhere
+        try:
+            where, built = env.build()
+        except vendor_envs.VendorEnvError as exc:
+            print(f"npu-harness conformance --vendor: {exc}", file=sys.stderr)
+            return 2
+        print(f"{column}: {'built' if built else 'cached'} {env.plugin} environment {where}", flush=True)
+    return 0
+
+
+def _cmd_vendor_env(args: argparse.Namespace) -> int:
+    from npu_conformance import vendor_envs
+
+    env = vendor_envs.VENDOR_ENVS[args.name]
+    try:
+        where, built = env.build(Path(args.out) if args.out else None, force=args.force)
+    except vendor_envs.VendorEnvError as exc:
+        print(f"npu-harness vendor-env {args.name}: {exc}", file=sys.stderr)
+        return 2
+    print(f"{env.plugin} environment {'built' if built else 'already built (same lock)'}: {where}")
+    if args.out:
+        print(f"use it with: export {env.override_var}={where}")
+    return 0
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
@@ -259,9 +304,24 @@ def build_parser() -> argparse.ArgumentParser:
                            "$NPU_HARNESS_TARGET, else sim")
     conf.add_argument("--report", default=DEFAULT_REPORT_DIR, metavar="DIR",
                       help=f"directory for report.json and report.md (default: {DEFAULT_REPORT_DIR})")
+    conf.add_argument("--vendor", action="store_true",
+                      help="also run the vendors' own vLLM plugins on the selected simulators, as report "
+                           "columns beside ours (builds their environments once, cached by lock; needs PyPI "
+                           "the first time)")
     conf.add_argument("pytest_args", nargs="*", metavar="-- PYTEST_ARGS",
                       help="extra pytest arguments after '--' (e.g. -- -k chunked -n 2)")
     conf.set_defaults(func=_cmd_conformance)
+
+    from npu_conformance.vendor_envs import VENDOR_ENVS
+
+    ve = sub.add_parser("vendor-env", help="build a vendor's own vLLM plugin stack, unpatched, in an environment "
+                                           "of its own over our simulator (cached by its lock's digest)")
+    ve.add_argument("name", choices=sorted(VENDOR_ENVS),
+                    help="; ".join(f"{e.name}: {e.plugin} on {e.sim_target} ({e.size})" for e in VENDOR_ENVS.values()))
+    ve.add_argument("--out", metavar="DIR", help="build here instead of <cache>/vendor-envs/<name>-<digest> "
+                                                 "(then point $NPU_HARNESS_VENDOR_ENV_<NAME> at it)")
+    ve.add_argument("--force", action="store_true", help="rebuild even when a build of the same lock is there")
+    ve.set_defaults(func=_cmd_vendor_env)
 
     doc = sub.add_parser("doctor", help="this CPU's instruction sets and kernel builds; which targets "
                                         "this machine can run, and why not the others")

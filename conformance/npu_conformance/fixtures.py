@@ -104,7 +104,7 @@ class DeviceLabs:
             from npu_conformance import devices
             from npu_conformance.targets import TARGETS
 
-            cls = devices.lab_class(TARGETS[name].device)
+            cls = devices.lab_class_for(name)
             self._labs[name] = cls(name, self._tmp.mktemp(f"{TARGETS[name].device}-{name}"))
         return self._labs[name]
 

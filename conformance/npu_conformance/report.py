@@ -18,7 +18,7 @@ from npu_conformance.version import harness_version
 SCHEMA_VERSION = 1
 #: Where reports go when no directory is given (relative to the pytest rootdir or the cwd).
 DEFAULT_REPORT_DIR = "conformance-report"
-_CELL = {res.PASS: "pass", res.FAIL: "FAIL", res.SKIPPED: "skip", res.UNSUPPORTED: "n/a"}
+_CELL = {res.PASS: "pass", res.FAIL: "FAIL", res.DIFFERS: "differs", res.SKIPPED: "skip", res.UNSUPPORTED: "n/a"}
 
 
 def build(
@@ -79,7 +79,8 @@ def format_markdown(report: dict[str, Any]) -> str:
     md.append(", ".join(f"{s[k]} {k}" for k in res.STATUSES) + ".")
     md += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     md += ["| " + " | ".join(r) + " |" for r in rows]
-    md += ["", "`n/a`: the scenario does not apply to that target's device.", "",
+    md += ["", "`n/a`: the scenario does not apply to that target's device. `differs`: a vendor plugin's "
+           "column failed as a known, explained difference records (listed below).", "",
            "## Targets", "", "| target | kind | runtime | available | reason |", "|---|---|---|---|---|"]
     md += [f"| {t['name']} | {t['kind']} | {t['runtime']} | {'yes' if t['available'] else 'no'} "
            f"| {t['reason']} |" for t in report["targets"]]
@@ -89,6 +90,10 @@ def format_markdown(report: dict[str, Any]) -> str:
         md += [f"| {r['scenario']} | {r['target']} | "
                + ", ".join(res.Figure(k, v["value"], v["unit"]).format() for k, v in r["figures"].items())
                + " |" for r in figured]
+    differs = [r for r in report["results"] if r["status"] == res.DIFFERS]
+    if differs:
+        md += ["", "## Known differences", ""]
+        md += [f"- `{r['scenario']}` on `{r['target']}`: {r['message']}" for r in differs]
     failed = [r for r in report["results"] if r["status"] == res.FAIL]
     if failed:
         md += ["", "## Failures", ""]

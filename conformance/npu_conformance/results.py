@@ -13,8 +13,11 @@ PASS = "pass"
 FAIL = "fail"
 SKIPPED = "skipped"
 UNSUPPORTED = "unsupported"
+#: A vendor column failed a scenario exactly as :mod:`npu_conformance.vendor_differences`
+#: records (the difference is known and explained; passing instead is a failure).
+DIFFERS = "differs"
 #: Statuses in the order the report lists them.
-STATUSES = (PASS, FAIL, SKIPPED, UNSUPPORTED)
+STATUSES = (PASS, FAIL, DIFFERS, SKIPPED, UNSUPPORTED)
 
 # Keys of the user_properties entries this plugin writes on each test item.
 KEY_SCENARIO = "npu_conformance.scenario"

@@ -38,9 +38,11 @@ class Target:
     Attributes:
         name: the user-facing target name (``mblt-sim``...).
         device: device family (``ref``, ``mblt``, ``rbln``, ``neuron``, ``ime2``).
-        kind: ``reference``, ``sim`` or ``hw``.
+        kind: ``reference``, ``sim``, ``hw`` or ``vendor`` (a vendor's own vLLM plugin in its
+            own environment, on one of our simulators: :mod:`npu_conformance.vendor_envs`).
         runtime: the module that backs the device seam on this target.
         probe: returns this machine's :class:`Availability` for the target; never raises.
+        base: for a ``vendor`` column, the simulator target it runs on (``rbln-sim``).
     """
 
     name: str
@@ -48,6 +50,7 @@ class Target:
     kind: str
     runtime: str
     probe: Callable[[], Availability]
+    base: str = ""
 
     @property
     def is_hardware(self) -> bool:
@@ -187,16 +190,40 @@ def _probe_ime2_hw(proc_root: str = "/proc") -> Availability:
     return failed or Availability(True, f"SpacemiT K3 ({found.reason}) with the IME2 kernel")
 
 
-#: Every target, in report-column order: the reference first, then each device's sim and hw.
+def _probe_vendor(name: str) -> Callable[[], Availability]:
+    """A vendor column: its simulator target's availability, then its built environment."""
+
+    def probe() -> Availability:
+        from npu_conformance import vendor_envs
+
+        env = vendor_envs.VENDOR_ENVS[name]
+        base = availability(env.sim_target)
+        if not base.available:
+            return Availability(False, f"{env.sim_target} unavailable: {base.reason}")
+        try:
+            where = env.locate()
+        except vendor_envs.VendorEnvError as exc:
+            return Availability(False, str(exc))
+        return Availability(True, f"{env.plugin}, unpatched, in {where}, on {TARGETS[env.sim_target].runtime}")
+
+    return probe
+
+
+#: Every target, in report-column order: the reference first, then each device's sim, the vendor
+#: plugin's column on that simulator, and hw.
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         Target(REFERENCE, "ref", "reference", "npusim.llm", _probe_reference),
         Target("mblt-sim", "mblt", "sim", "npusim.mxq",
                _probe_sim("npusim.mxq", "Accelerator", "qbruntime surface")),
+        Target("vllm-mblt@mblt-sim", "mblt", "vendor", "vllm-mblt 0.8.0 on npusim.mxq", _probe_vendor("mblt"),
+               base="mblt-sim"),
         Target("mblt-hw", "mblt", "hw", "qbruntime", _probe_mblt_hw),
         Target("rbln-sim", "rbln", "sim", "npusim.rbln",
                _probe_rbln_sim),
+        Target("vllm-rbln@rbln-sim", "rbln", "vendor", "vllm-rbln 0.12.0 on npusim.rbln", _probe_vendor("rbln"),
+               base="rbln-sim"),
         Target("rbln-hw", "rbln", "hw", "rebel", _probe_rbln_hw),
         Target("neuron-sim", "neuron", "sim", "npusim.neff",
                _probe_sim("npusim.neff", "NrtpyModel", "nrtpy surface")),
@@ -205,7 +232,13 @@ TARGETS: dict[str, Target] = {
         Target("ime2-hw", "ime2", "hw", "kernels/ime2 on the K3", _probe_ime2_hw),
     )
 }
-assert tuple(n for n in TARGETS if n != REFERENCE) == TARGET_NAMES
+assert tuple(n for n, t in TARGETS.items() if t.kind in ("sim", "hw")) == TARGET_NAMES
+
+
+def vendor_columns(names: Iterable[str]) -> list[str]:
+    """The vendor columns of the simulator targets among ``names`` (expanded), registry order."""
+    bases = set(expand(names))
+    return [n for n, t in TARGETS.items() if t.kind == "vendor" and t.base in bases]
 
 
 def expand(names: Iterable[str]) -> list[str]:

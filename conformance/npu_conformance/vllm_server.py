@@ -113,6 +113,17 @@ class Server:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def healthy(self, timeout: float = 5.0) -> bool:
+        """The process runs and ``/health`` answers 200 within ``timeout`` seconds (a server
+        whose engine died answers 503, or exits shortly after)."""
+        if not self.alive():
+            return False
+        try:
+            with urllib.request.urlopen(self.base + "/health", timeout=timeout) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
     def stop(self) -> None:
         if self.proc.poll() is None:
             self.proc.terminate()

@@ -69,7 +69,7 @@ def test_sim_expands_to_reference_and_every_simulator(pytester, fake_availabilit
     assert skipped["message"] == "rbln-sim unavailable: fake probe says no for rbln-sim"
     assert _status(report, "scn.passes", "ref")["figures"] == {
         "speed": {"value": 12.5, "unit": "tok/s"}}
-    assert report["summary"] == {"pass": 3, "fail": 1, "skipped": 8, "unsupported": 8}
+    assert report["summary"] == {"pass": 3, "fail": 1, "differs": 0, "skipped": 8, "unsupported": 8}
     assert not [r for r in report["results"] if r["scenario"].endswith("not_a_scenario")]
 
 
@@ -351,3 +351,39 @@ def test_both(device_labs):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
     assert _events(pytester) == [("start", "ref"), ("stop", "ref"), ("start", "ref"), ("stop", "ref")]
+
+
+def test_known_vendor_differences_are_reported_as_differs_and_cannot_go_stale(pytester, fake_availability,
+                                                                                monkeypatch):
+    from npu_conformance import vendor_differences as vd
+
+    def diff(scenario: str) -> vd.Difference:
+        return vd.Difference("ref", scenario, r"HTTP 500 \(expected 400\)", "It answers 500.", "vendor bug", "docs/x.md")
+
+    monkeypatch.setattr(vd, "KNOWN", (diff("scn.as_recorded"), diff("scn.otherwise"), diff("scn.now_passes")))
+    pytester.makepyfile(test_scn='''
+def test_as_recorded(target):
+    assert False, "refused prompt_logprobs: HTTP 500 (expected 400)"
+
+def test_otherwise(target):
+    assert False, "a wrong token"
+
+def test_now_passes(target):
+    pass
+
+def test_unrecorded(target):
+    assert False, "HTTP 500 (expected 400)"
+''')
+    result = pytester.runpytest("-p", "no:cacheprovider", "--report", "out", "--target", "ref")
+    result.assert_outcomes(failed=3, xfailed=1)
+    report = json.loads((pytester.path / "out" / "report.json").read_text())
+    got = {r["scenario"]: (r["status"], r["message"]) for r in report["results"]}
+    assert got["scn.as_recorded"] == ("differs", "It answers 500. Verdict: vendor bug (docs/x.md)")
+    assert got["scn.otherwise"][0] == "fail" and "a wrong token" in got["scn.otherwise"][1]
+    assert got["scn.now_passes"][0] == "fail"
+    assert "the known difference no longer shows (the scenario passes): It answers 500." in got["scn.now_passes"][1]
+    assert got["scn.unrecorded"][0] == "fail"
+    assert report["summary"]["differs"] == 1
+    md = (pytester.path / "out" / "report.md").read_text()
+    assert "| scn.as_recorded | differs |" in md
+    assert "## Known differences\n\n- `scn.as_recorded` on `ref`: It answers 500. Verdict: vendor bug (docs/x.md)" in md

@@ -9,8 +9,21 @@ from vllm_npu.targets import TARGET_NAMES, UnknownTargetError
 
 
 def test_registry_holds_every_contract_target_in_column_order():
-    assert list(tg.TARGETS) == ["ref", *TARGET_NAMES]
-    assert {t.kind for t in tg.TARGETS.values()} == {"reference", "sim", "hw"}
+    assert [n for n, t in tg.TARGETS.items() if t.kind != "vendor"] == ["ref", *TARGET_NAMES]
+    assert {t.kind for t in tg.TARGETS.values()} == {"reference", "sim", "vendor", "hw"}
+
+
+def test_vendor_columns_stand_beside_their_simulator_and_only_on_request():
+    names = list(tg.TARGETS)
+    for name, t in tg.TARGETS.items():
+        if t.kind == "vendor":
+            assert names.index(name) == names.index(t.base) + 1 and tg.TARGETS[t.base].kind == "sim"
+            assert t.device == tg.TARGETS[t.base].device
+    assert not any(tg.TARGETS[n].kind == "vendor" for n in tg.expand(["sim"]))
+    assert tg.vendor_columns(["sim"]) == ["vllm-mblt@mblt-sim", "vllm-rbln@rbln-sim"]
+    assert tg.vendor_columns(["rbln-sim", "neuron-sim"]) == ["vllm-rbln@rbln-sim"]
+    assert tg.vendor_columns(["neuron-sim", "rbln-hw"]) == []
+    assert tg.expand(["vllm-rbln@rbln-sim"]) == ["vllm-rbln@rbln-sim"]
 
 
 def test_expand_sim_and_dedupe():

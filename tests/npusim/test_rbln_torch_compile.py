@@ -191,3 +191,9 @@ def test_sampler_ops():
     assert torch.equal(torch.ops.rbln.top_k_top_p(probs, None, torch.zeros(4)), logits.argmax(-1).to(torch.int32))
     with pytest.raises(RBLNInputError, match=r"k must be \[4\], got \[3\]"):
         torch.ops.rbln.top_k_top_p(probs, torch.ones(3, dtype=torch.int32), None)
+    # non-finite and negative entries weigh nothing (vllm-rbln's warm-up samples torch.empty
+    # logits: a device kernel returns a token, it does not raise); a row without mass gives token 0
+    junk = torch.tensor([[float("nan")] * 5, [float("inf"), 1.0, -1.0, 0.0, 0.0],
+                         [0.0] * 5, [float("nan"), 0.0, 0.0, 0.7, 0.0]])
+    got = torch.ops.rbln.top_k_top_p(junk, torch.tensor([0, 2, 0, 0]), torch.tensor([1.0, 0.5, 1.0, 1.0]))
+    assert got.dtype == torch.int32 and got.tolist() == [0, 1, 0, 3], got

@@ -40,11 +40,8 @@ trap 'rm -rf "$TMP"' EXIT
 
 "$PY" -m venv "$ENV"
 PIP=("$ENV/bin/python" -m pip --disable-pip-version-check -q)
-quiet() {  # drop pip's noise about empty local index directories; keep the status
-  local rc; set +e
-  "$@" 2>&1 | grep -vE "is ignored: it is neither a file nor a directory|^\s*$"
-  rc=${PIPESTATUS[0]}; set -e; return "$rc"
-}
+# shellcheck source=../vendor-env.sh
+source "$ROOT/tools/vendor-env.sh"
 say "torch 2.13.0+cpu"
 quiet "${PIP[@]}" install "torch==2.13.0+cpu"
 if [[ "$LOCK" != none && -f "$LOCK" ]]; then
@@ -82,9 +79,7 @@ sed -e 's/^version = .*/version = "0.30.0+cpu"/' "$ROOT/tools/vllm-dist-metadata
   > "$TMP/vllm-dist/pyproject.toml"
 quiet "${PIP[@]}" install --no-deps "$TMP/vllm-dist"
 
-SP=$("$ENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "$ROOT/simulators" > "$SP/00_npusim_path.pth"   # sorts before the alias hook
-PYTHONPATH="$ROOT/simulators" "$ENV/bin/python" -c 'from npusim.alias import pth_line; print(pth_line())' > "$SP/npu_harness_alias.pth"
+install_sim_hooks "$ENV" "$ROOT"
 
 say "checks"
 # torch-rbln registers a torch.backends autoload entry point whose native libraries need librbln.so

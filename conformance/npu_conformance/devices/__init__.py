@@ -19,6 +19,9 @@ _LABS: dict[str, str] = {"mblt": "npu_conformance.devices.mblt:MbltLab",
                          "neuron": "npu_conformance.devices.neuron:NeuronLab"}
 #: Serving devices whose lab is not written yet, and the issue that writes it.
 _PENDING: dict[str, str] = {}
+#: Vendor columns (``targets.Target.kind == "vendor"``) -> ``module:class`` of their lab.
+_VENDOR_LABS: dict[str, str] = {"vllm-rbln@rbln-sim": "npu_conformance.devices.rbln_vendor:VllmRblnLab",
+                                "vllm-mblt@mblt-sim": "npu_conformance.devices.mblt_vendor:VllmMbltLab"}
 
 
 class NoDeviceLab(LookupError):
@@ -38,3 +41,18 @@ def lab_class(device: str) -> type[DeviceLab]:
     if device in _PENDING:
         raise NoDeviceLab(f"no serving profile for {device} yet ({_PENDING[device]})")
     raise NoDeviceLab(f"{device} does not serve through vllm serve with a plugin of this project")
+
+
+def lab_class_for(target: str) -> type[DeviceLab]:
+    """The :class:`DeviceLab` subclass of target ``target``: a vendor column's own lab, else
+    its device's (:func:`lab_class`).
+
+    Raises:
+        NoDeviceLab: as :func:`lab_class`.
+    """
+    from npu_conformance.targets import TARGETS
+
+    if target in _VENDOR_LABS:
+        module, _, name = _VENDOR_LABS[target].partition(":")
+        return getattr(importlib.import_module(module), name)
+    return lab_class(TARGETS[target].device)

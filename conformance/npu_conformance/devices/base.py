@@ -164,19 +164,44 @@ class DeviceLab:
     def env(self, **extra: str) -> dict[str, str]:
         return vs.vllm_env(self.target, **extra)
 
+    @property
+    def python(self) -> str:
+        """The interpreter of the environment the servers run in (this one; a vendor lab's own)."""
+        import sys
+
+        return sys.executable
+
+    def command(self) -> list[str] | None:
+        """The ``vllm`` command the servers run (None: this environment's,
+        :func:`~npu_conformance.vllm_server.vllm_command`; a vendor lab names its own)."""
+        return None
+
+    def start(self, artifact: Path, args: Sequence[str], log: Path, *, timeout_s: float = vs.START_TIMEOUT_S,
+              **env: str) -> vs.Server:
+        """``vllm serve ARTIFACT ARGS`` with this lab's command and :meth:`env` plus ``env``,
+        logging to ``log``; the caller stops it (:meth:`server` keeps the ones it shares).
+
+        Raises:
+            vllm_server.ServerError: it exited or did not become healthy.
+        """
+        return vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=timeout_s, command=self.command())
+
     def server(self, artifact: Path, args: Sequence[str] = (), **env: str) -> vs.Server:
-        """A running ``vllm serve ARTIFACT ARGS`` (started once per session per combination).
+        """A running, healthy ``vllm serve ARTIFACT ARGS`` (started once per session per
+        combination, and again when an earlier scenario left it dead or unhealthy).
 
         Raises:
             vllm_server.ServerError: it exited or did not become healthy.
         """
         key = json.dumps([str(artifact), list(args), env], sort_keys=True)
         srv = self.servers.get(key)
-        if srv is not None and srv.alive():
+        if srv is not None and srv.healthy():
             return srv
+        if srv is not None:  # an earlier scenario left it dead or its engine stopped: start anew
+            srv.stop()
         log = self.workdir / f"serve-{self._started}.log"  # a restarted server gets a new log
         self._started += 1
-        srv = vs.start(artifact, args, env=self.env(**env), log=log)
+        srv = self.start(artifact, args, log, **env)
         self.servers[key] = srv
         return srv
 
@@ -198,7 +223,7 @@ class DeviceLab:
         self._refusals += 1
         log = self.workdir / f"refused-{self._refusals}.log"  # one log per refused start
         try:
-            srv = vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=300)
+            srv = self.start(artifact, args, log, timeout_s=300, **env)
         except vs.ServerError:
             return log.read_text(errors="replace")
         srv.stop()

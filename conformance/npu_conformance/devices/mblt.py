@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +77,16 @@ class MbltLab(DeviceLab):
     #: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
     refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
     serves_prompt_logprobs: ClassVar[bool] = True  # one infer per chunk, or the seed's 1-token microsteps
+    #: Whether simulated artifacts carry the Hub releases' remote-code entry (``auto_map`` and
+    #: the proxy module: ``mxq compile --hub-proxy``), which vLLM needs without our plugin.
+    hub_proxy: ClassVar[bool] = False
+    #: The worker class the platform resolves (``scheduler_from_artifact`` checks it).
+    worker_class: ClassVar[str] = "vllm_npu.mblt.worker.MbltWorker"
+    #: Added to every argument list of :meth:`engine_configs`.
+    probe_args: ClassVar[tuple[str, ...]] = ()
+    #: Per fault kind, what the server log shows once the fault struck (the worker's own lines).
+    fault_evidence: ClassVar[dict[str, str]] = {"once": r"MBLT infer failed on slots",
+                                                "persistent": r"MBLT infer failed twice"}
 
     @property
     def trace_dir(self) -> Path:
@@ -107,11 +116,11 @@ class MbltLab(DeviceLab):
             raise ValueError(f"fault kind {kind!r} is not one of {self.FAULT_KINDS}")
         if not self.simulated:
             raise FaultsUnsupported("faults are injected only into the simulator (npusim.mxq, NPUSIM_MXQ)")
-        times, evidence = (1, r"MBLT infer failed on slots") if kind == "once" else (1000, r"MBLT infer failed twice")
+        times = 1 if kind == "once" else 1000
         return FaultPlan(self.artifact(k=4, chunk=128), ("--max-model-len", str(self.max_model_len)),
                          {"VLLM_MBLT_PREFIX_CACHE_CALIBRATE": "0",
                           "NPUSIM_MXQ": json.dumps({"infer_fail_after": 10, "infer_fail_times": times})},
-                         evidence)
+                         self.fault_evidence[kind])
 
     # ------------------------------------------------------------------ artifacts
 
@@ -168,7 +177,7 @@ class MbltLab(DeviceLab):
             base = self.workdir / f"mxq-{len(self._artifacts)}"
             compile_artifact(self.hf_dir(), base, max_batch_size=max(k, 1), core_mode=core_mode,
                              prefill_chunk_size=chunk if chunk is not None else 128,
-                             max_cache_size=max_cache_size)
+                             max_cache_size=max_cache_size, hub_proxy=self.hub_proxy)
             out = base
             if edits or drop:
                 out = self._variant(base, edits, drop)
@@ -204,7 +213,8 @@ class MbltLab(DeviceLab):
         """vLLM's resolved scheduler/cache config for each argument list (``--model`` ...),
         through vLLM's own ``EngineArgs.create_engine_config`` with this target's platform,
         in one subprocess. An argument list vLLM rejects gives ``{"error": message}``."""
-        proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps([list(r) for r in runs])],
+        runs = [[*r, *self.probe_args] for r in runs]
+        proc = subprocess.run([self.python, "-c", _PROBE, json.dumps(runs)],
                               env=self.env(), capture_output=True, text=True, timeout=600)
         found = [json.loads(line[len(CONFIG_MARK):]) for line in proc.stdout.splitlines()
                  if line.startswith(CONFIG_MARK)]

@@ -13,8 +13,8 @@
 Serving profile: ``--max-model-len 1024 --block-size 1024`` (eager attention, one KV block per
 sequence), ``--max-num-seqs 4`` with decoders for batches 4, 2 and 1.
 
-Fault model (simulator only, ``NPUSIM_RBLN``): ``once`` fails the 11th runtime call of the
-engine, which the worker retries (log ``RBLN ... failed; retrying once``); ``persistent`` fails
+Fault model (simulator only, ``NPUSIM_RBLN``): ``once`` fails the 11th runtime call
+(:attr:`RblnLab.fault_after_calls` + 1) of the engine, which the worker retries (log ``RBLN ... failed; retrying once``); ``persistent`` fails
 every call from the 11th on, the retry fails too (``failed twice``) and the engine stops, so
 every request in flight gets an error.
 """
@@ -47,6 +47,17 @@ class RblnLab(TinyModelLab):
     tiny_name: ClassVar[str] = "tiny-llama-hd64"
     device: ClassVar[str] = "rbln"
     max_model_len: ClassVar[int] = 1024
+    #: Runtime calls a fault plan lets pass before it strikes: more than the engine's start-up
+    #: makes (compile, warm-up), fewer than its first served requests make.
+    fault_after_calls: ClassVar[int] = 10
+    #: Per fault kind, what the server log shows once the fault struck (the worker's own lines).
+    fault_evidence: ClassVar[dict[str, str]] = {"once": r"RBLN .* failed; retrying once",
+                                                "persistent": r"RBLN .* failed twice"}
+    #: The worker class the platform resolves for each model path (``impl_matrix`` checks it).
+    worker_classes: ClassVar[dict[str, str]] = {"optimum": "vllm_npu.rbln.worker.RblnOptimumWorker",
+                                                "vllm": "vllm_npu.rbln.vllm_worker.RblnVllmWorker"}
+    #: Whether the platform writes its plan into ``additional_config`` (``npu_harness_rbln_plan``).
+    writes_plan: ClassVar[bool] = True
     #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
     refusals: ClassVar[tuple[Refusal, ...]] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
 
@@ -64,10 +75,10 @@ class RblnLab(TinyModelLab):
             raise ValueError(f"fault kind {kind!r} is not one of {self.FAULT_KINDS}")
         if not self.simulated:
             raise FaultsUnsupported("faults are injected only into the simulator (npusim.rbln, NPUSIM_RBLN)")
-        times, evidence = (1, r"RBLN .* failed; retrying once") if kind == "once" else (None, r"RBLN .* failed twice")
+        times = 1 if kind == "once" else None
         return FaultPlan(self.hf_dir(), ("--max-model-len", str(self.max_model_len), *SERVING_ARGS),
-                         {"NPUSIM_RBLN": json.dumps({"fault": {"after_calls": 10, "times": times}})},
-                         evidence)
+                         {"NPUSIM_RBLN": json.dumps({"fault": {"after_calls": self.fault_after_calls, "times": times}})},
+                         self.fault_evidence[kind])
 
 
 #: Runs ``EngineArgs.create_engine_config`` for each argument list, with the target's plugin,
@@ -88,7 +99,7 @@ for argv in json.loads(sys.argv[1]):
         out = {"error": f"{type(exc).__name__}: {exc}"}
     else:
         s, c = cfg.scheduler_config, cfg.cache_config
-        extra = cfg.additional_config or {}
+        extra = cfg.additional_config if isinstance(cfg.additional_config, dict) else {}  # a vendor's: its own class
         out = {"max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
                "block_size": c.block_size, "enable_prefix_caching": c.enable_prefix_caching,
                "num_gpu_blocks_override": c.num_gpu_blocks_override,
@@ -110,9 +121,8 @@ def engine_configs(lab: DeviceLab, runs: list[list[str]], **env: str) -> list[di
         RuntimeError: the probe itself failed (its stderr attached).
     """
     import subprocess
-    import sys
 
-    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(runs)], env=lab.env(**env),
+    proc = subprocess.run([lab.python, "-c", _PROBE, json.dumps(runs)], env=lab.env(**env),
                           capture_output=True, text=True, timeout=600)
     mark = "NPU_HARNESS_CONFIG "
     found = [json.loads(line[len(mark):]) for line in proc.stdout.splitlines() if line.startswith(mark)]

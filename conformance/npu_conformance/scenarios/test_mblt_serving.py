@@ -92,7 +92,7 @@ def test_scheduler_from_artifact(target, record, device_labs):
     got = dict(zip(runs, lab.engine_configs([r + ["--max-model-len", "512"] for r in runs.values()])))
     for name, cfg in got.items():
         assert "error" not in cfg, f"{name}: {cfg}"
-        assert cfg["worker_cls"] == "vllm_npu.mblt.worker.MbltWorker"
+        assert cfg["worker_cls"] == lab.worker_class
     assert got["dict_global4"]["max_num_batched_tokens"] == 256
     assert got["user_tokens_smaller"]["max_num_batched_tokens"] == 100
     assert got["dict_single"]["max_num_batched_tokens"] == 64
@@ -119,14 +119,14 @@ def test_prefix_snapshot_load_and_recompute(target, record, device_labs):
     got_long = completion_ids(server.complete(long_hit, 8, return_token_ids=True))
     got_short = completion_ids(server.complete(short_hit, 8, return_token_ids=True))
     log = server.log_text()[len(before):]
-    assert re.search(r"MBLT prefix snapshot \S+: load 256 tokens", log), log[-3000:]
-    assert re.search(r"MBLT prefix snapshot \S+: recompute 128 tokens", log), log[-3000:]
     golden = lab.golden()
     if golden is not None:
         assert got_long == golden.generate_greedy(long_hit, 8)
         assert got_short == golden.generate_greedy(short_hit, 8)
     else:  # hardware: the same prompts again must answer the same
         assert completion_ids(server.complete(long_hit, 8, return_token_ids=True)) == got_long
+    assert re.search(r"MBLT prefix snapshot \S+: load 256 tokens", log), f"no snapshot load logged:\n{log[-3000:]}"
+    assert re.search(r"MBLT prefix snapshot \S+: recompute 128 tokens", log), f"no recompute logged:\n{log[-3000:]}"
     record.figure("snapshot_loads", 1)
 
 
@@ -158,7 +158,7 @@ def test_prefix_cost_model_measured(target, record, device_labs, costs, decision
             busy.result()
         assert got == lab.golden().generate_greedy(probe, 6)
         found = re.findall(r"MBLT prefix snapshot \S+: (load|recompute) (\d+) tokens", server.log_text()[before:])
-        assert found, server.log_text()[-3000:]
+        assert found, f"no snapshot decision logged:\n{server.log_text()[-3000:]}"
         decisions.append(found[0])
     assert decisions[0] == ("load", "256"), decisions      # no load timing yet: load and measure
     assert decisions[1] == (decision, "256"), decisions    # measured: the cost model decides
@@ -197,13 +197,14 @@ def test_multi_card_batching(target, record, device_labs):
     extra = {"dev_no": [0, 1], "max_batch_size": 2 * k}
     server = lab.server(art, ["--max-model-len", MAX_MODEL_LEN, "--model-loader-extra-config", json.dumps(extra)],
                         **env)
-    assert re.search(r"MBLT backend: 2 MXQ instance\(s\) on device\(s\) \[0, 1\]", server.log_text())
     prompts = _prompts(2 * k if k > 1 else 4, 30, seed=5)
     solo, together = _solo_then_concurrent(server, prompts)
     assert together == solo
     golden = lab.golden()
     if golden is not None:
         assert solo == [golden.generate_greedy(p, 16) for p in prompts]
+    assert re.search(r"MBLT backend: 2 MXQ instance\(s\) on device\(s\) \[0, 1\]", server.log_text()), \
+        "no placement on devices [0, 1] logged"
     record.figure("instances", 2)
 
 
@@ -211,7 +212,19 @@ def test_refuses_oversized_max_model_len(target, record, device_labs):
     lab = _lab(device_labs, target)
     art = _artifact(lab, k=1, max_cache_size=256) if lab.simulated else _artifact(lab, k=0)
     capacity = lab.kv_capacity(art)
-    log = lab.refused_start(art, ["--max-model-len", str(capacity * 2)])
+    args = ["--max-model-len", str(capacity * 2)]
+    try:
+        log = lab.refused_start(art, args)
+    except AssertionError as exc:  # it started: show what a prompt past the KV capacity then does
+        srv = lab.start(art, args, lab.workdir / "oversized-started.log")
+        try:
+            prompt = _prompts(1, capacity + capacity // 2, seed=31)[0]
+            res = srv.complete(prompt, 4, return_token_ids=True)
+            after = "healthy" if srv.healthy() else "not healthy"
+        finally:
+            srv.stop()
+        raise AssertionError(f"{exc}; a {len(prompt)}-token prompt then got HTTP {res.status} and the server was "
+                             f"{after} (KV capacity {capacity} tokens per cache id)") from None
     assert f"max_model_len={capacity * 2}" in log and f"({capacity} tokens per cache id)" in log, log[-3000:]
     record.figure("capacity_tokens", capacity)
 

@@ -11,9 +11,16 @@ default) compiles two of the compiler's built-in operators:
   ``p``), ``[B]`` int32. ``k == 1`` is greedy. The draw uses torch's generator
   (``rebel.manual_seed`` seeds it).
 
-What is a guess: the int32 result (vllm-rbln calls ``.long()`` on it), and that ties and the
+Non-finite or negative probabilities (vllm-rbln's sampler warm-up samples ``torch.empty``
+logits, so the device sees whatever the memory held) are not an error on the device: a kernel
+on the NPU returns a token for every row. Here such entries weigh nothing (before top-k and
+top-p), and a row left with no positive weight returns token 0. Either way the result is a
+token id in ``[0, V)``.
+
+What is a guess: the int32 result (vllm-rbln calls ``.long()`` on it), that ties and the
 nucleus boundary resolve as in vLLM's own top-k/top-p sampler (the first of equal tokens, the
-token that crosses ``p`` kept).
+token that crosses ``p`` kept), and which token a row without a finite positive probability
+gets (any in-range id is what a board returns; the warm-up discards it).
 """
 
 from __future__ import annotations
@@ -47,7 +54,9 @@ def top_k_top_p(probs: torch.Tensor, k: Optional[torch.Tensor], p: Optional[torc
     for name, t in (("k", k), ("p", p)):
         if t is not None and tuple(t.shape) != (b,):
             raise RBLNInputError(f"rbln.top_k_top_p: {name} must be [{b}], got {list(t.shape)}")
-    sorted_p, order = torch.sort(probs.float(), dim=-1, descending=True, stable=True)
+    usable = probs.float()
+    usable = usable.masked_fill(~torch.isfinite(usable) | (usable < 0), 0.0)
+    sorted_p, order = torch.sort(usable, dim=-1, descending=True, stable=True)
     keep = torch.ones_like(sorted_p, dtype=torch.bool)
     if k is not None:
         kk = k.to(torch.int64).clamp(min=0)
@@ -59,6 +68,7 @@ def top_k_top_p(probs: torch.Tensor, k: Optional[torch.Tensor], p: Optional[torc
         first = torch.arange(v).reshape(1, v) == 0  # the most likely token always survives
         keep &= (before < p.float().reshape(b, 1) * masked.sum(-1, keepdim=True)) | first
     weights = sorted_p * keep
+    weights[:, 0] += (weights.sum(-1) <= 0).to(weights.dtype)  # no usable mass: token 0 (stable sort)
     pick = torch.multinomial(weights, 1).squeeze(1)
     return order.gather(1, pick.unsqueeze(1)).squeeze(1).to(torch.int32)
 

@@ -1,0 +1,161 @@
+"""The ledger of known differences between a vendor plugin's column and ours (issue 19).
+
+A vendor column (``vllm-rbln@rbln-sim``...) runs the same scenarios as our column on the same
+simulator. Where it fails one, either its plugin or ours has a bug, or the scenario reads
+something only ours provides. Each such failure that is understood is recorded here, with the
+evidence its failure message matches and the verdict: which side the seed supports, and why.
+``docs/<device>.md`` explains each one at length.
+
+The plugin (:func:`npu_conformance.plugin.pytest_runtest_makereport`) reports a recorded
+scenario as ``differs`` when it fails with that evidence. It stays a failure when it fails
+otherwise, and a scenario that passes while recorded here fails too, so the ledger cannot go
+stale: a vendor release that fixes the difference turns the column red until the entry goes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One scenario a vendor column fails, understood.
+
+    Attributes:
+        column: the vendor column (``vllm-rbln@rbln-sim``).
+        scenario: the report's scenario name (``serving.prompt_logprobs``).
+        evidence: a regular expression the failure's message must match.
+        what: what the vendor plugin does, in one sentence.
+        verdict: which side the seed supports (``vendor bug``, ``ours stricter``...) and why.
+        docs: where it is explained (``docs/rbln.md#...``).
+    """
+
+    column: str
+    scenario: str
+    evidence: str
+    what: str
+    verdict: str
+    docs: str
+
+    def describe(self) -> str:
+        """One line for the report: what, the verdict, and the docs."""
+        return f"{self.what} Verdict: {self.verdict} ({self.docs})"
+
+
+_RBLN = "vllm-rbln@rbln-sim"
+_RBLN_DOCS = "docs/rbln.md#the-vendor-column-vllm-rblnrbln-sim"
+
+_MBLT = "vllm-mblt@mblt-sim"
+_MBLT_DOCS = "docs/mblt.md#the-vendor-column-vllm-mbltmblt-sim"
+_MBLT_LOGGED = ("not a bug on either side as far as the scenario can tell: the outputs equal the golden decoder "
+                "(checked first); the scenario's evidence of {what} is a log line of our plugin, and vllm-mblt "
+                "logs none at the default level")
+_OURS_LOGGED = ("not a bug on either side: the outputs equal the golden decoder (checked first); the scenario's "
+                "evidence of {what} is a log line of our plugin, which vllm-rbln does not write")
+
+#: Every known difference.
+KNOWN: tuple[Difference, ...] = (
+    # ---------------------------------------------------------------- vllm-mblt 0.8.0 on mblt-sim
+    Difference(_MBLT, "serving.hostile_input",
+               r"(?s)(?<!\d)3 of \d+ hostile requests mishandled:\n"
+               r"  huge max_tokens: HTTP 400 but the message does not match .*maximum context length is -\d+ tokens.*"
+               r"  n = 10\*\*6: no answer",
+               "n = 10**6 is accepted and queues a million sequences: the server stops answering (one request "
+               "denies service); huge max_tokens gets a 400 that reports a negative context length.",
+               "vLLM 0.11.2's front end, the vLLM vllm-mblt pins (vLLM 0.32, under our plugin, refuses both with a "
+               "400 naming the rule); the rest of the cases could not be tried", _MBLT_DOCS),
+    Difference(_MBLT, "serving.fault_once_retried",
+               r"HTTP 500: .*EngineCore encountered an issue",
+               "One failed infer (the simulator's injected InternalError) stops vllm-mblt's engine: the requests in "
+               "flight get a 500 and the server exits.",
+               "the seed asks for no retry: no wrong token on either side; ours retries the infer once (it "
+               "restores the slot's KV first), so a transient device error costs vllm-mblt its server", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.refuses_oversized_max_model_len",
+               r"--max-model-len 512 started; expected a refusal; a 384-token prompt then got HTTP 500 and the "
+               r"server was not healthy",
+               "vllm-mblt starts with --max-model-len twice the MXQ's KV capacity; a prompt past the capacity then "
+               "overflows the MXQ's cache (Model_CacheOverflow, mblt_worker.py:1704) and stops the engine.",
+               "vllm-mblt bug: the seed has the worker refuse to start when max_model_len exceeds the loaded MXQs' "
+               "capacity (its MoE section), which ours applies to every MXQ; a board raises the same "
+               "Model_CacheOverflow", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.prefix_snapshot_load_and_recompute", r"no snapshot load logged",
+               "vllm-mblt answers a 256-token and a 128-token prefix hit with the golden outputs.",
+               _MBLT_LOGGED.format(what="loading one snapshot and recomputing below min-hit"), _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.prefix_cost_model_measured[load_cheap]", r"no snapshot decision logged",
+               "vllm-mblt answers the prefix probes with the golden outputs; it decides by the same rule "
+               "(PrefixCacheCostModel, load_ms < prefill_ms x 0.9).",
+               _MBLT_LOGGED.format(what="the load or recompute decision"), _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.prefix_cost_model_measured[load_expensive]", r"no snapshot decision logged",
+               "vllm-mblt answers the prefix probes with the golden outputs; it decides by the same rule "
+               "(PrefixCacheCostModel, load_ms < prefill_ms x 0.9).",
+               _MBLT_LOGGED.format(what="the load or recompute decision"), _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.multi_card_batching", r"no placement on devices \[0, 1\] logged",
+               "With dev_no [0, 1] vllm-mblt's outputs equal their solo runs and the golden decoder.",
+               _MBLT_LOGGED.format(what="two MXQ instances on two cards"), _MBLT_DOCS),
+    # ---------------------------------------------------------------- vllm-rbln 0.12.0 on rbln-sim
+    Difference(_RBLN, "serving.prompt_logprobs",
+               r"Refusal\(param='prompt_logprobs'.*500, 'EngineCore encountered an issue",
+               "A request with prompt_logprobs kills vllm-rbln's engine: optimum_model_runner.py:1760 "
+               "(_get_prompt_logprobs_dict) raises AttributeError: 'RBLNOptimumModelRunner' object has no "
+               "attribute 'query_start_loc'; the request gets a 500 and the server exits.",
+               "vllm-rbln bug: one request must never stop the server; the compiled prefill returns the last "
+               "position's logits only, so the request should be refused with a 400, as ours does",
+               _RBLN_DOCS),
+    Difference(_RBLN, "serving.hostile_input",
+               r"(?s)(?<!\d)6 of \d+ hostile requests mishandled:\n"
+               r"  token id out of the vocabulary \(streamed\): HTTP 200 \(expected 400\).*"
+               r"  stop_token_ids out of the vocabulary \(streamed\): HTTP 200 \(expected 400\).*"
+               r"  logprobs = 1000 \(streamed\): HTTP 200 \(expected 400\).*"
+               r"  chat top_logprobs = 1000 \(streamed\): HTTP 200 \(expected 400\).*"
+               r"  refused prompt_logprobs \{\"prompt_logprobs\": 1\}: HTTP 500 \(expected 400\).*"
+               r"/health is \d+ afterwards",
+               "Four streamed requests refused after validation get a 200 with an error event instead of a 400, "
+               "and prompt_logprobs stops the server (serving.prompt_logprobs).",
+               "the streamed 200s are vLLM 0.30's front end (the vLLM vllm-rbln pins; our plugins add a "
+               "middleware that answers 400 before the stream starts); the 500 is vllm-rbln's bug",
+               _RBLN_DOCS),
+    Difference(_RBLN, "serving.fault_once_retried",
+               r"HTTP 500: .*EngineCore encountered an issue",
+               "One failed runtime call (the simulator's injected timeout at call 21) stops vllm-rbln's engine: "
+               "the requests in flight get a 500 and the server exits.",
+               "the seed asks for no retry: no wrong token on either side; ours retries the call once (it "
+               "rewrites the same KV), so a transient device error costs vllm-rbln its server and ours nothing",
+               _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.vllm_path_served",
+               r"cannot import name 'triton' from 'npusim\.rbln'",
+               "--model-impl vllm on a Rebel100 stops at vllm_rbln/v1/attention/ops/triton_attention_naive.py:17, "
+               "`from rebel import triton`.",
+               "the simulator's gap (the emulator has the bug): npusim.rbln has no rebel.triton, no "
+               "rbln_custom_ops attention_naive ops and no torch.rbln device tensors, which this path of "
+               "vllm-rbln uses",
+               _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.impl_matrix",
+               r"--model-impl vllm on RBLN-CR13 with .*cannot import name 'triton' from 'npusim\.rbln'",
+               "Every ATOM case resolves as ours (the same paths, the same refusals word for word); on a Rebel100 "
+               "the vllm path's engine config stops at `from rebel import triton` (platform/vllm_impl.py).",
+               "the simulator's gap, as rbln_serving.vllm_path_served", _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.chunked_long_prompt", r"RBLN prefill: 6",
+               "vllm-rbln serves the 600-token prompt in 128-token chunks with the golden output, and logs no "
+               "chunk count.", _OURS_LOGGED.format(what="5 chunks of 128"), _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.decode_buckets_and_padding", r"no decode layout logged",
+               "vllm-rbln serves 3 concurrent requests with the golden outputs, and logs no decode batch layout.",
+               _OURS_LOGGED.format(what="the smallest fitting decoder and its padding"), _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.prefix_reuse", r"no in-place reuse of 256 tokens logged",
+               "vllm-rbln answers the three prompts sharing 256 tokens with the golden outputs, and logs no "
+               "prefix reuse.", _OURS_LOGGED.format(what="in-place and copied KV block reuse"), _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.compile_cache_reuse_and_invalidation", r"'RBLN compile: done in' in",
+               "vllm-rbln's three starts (cold, warm, changed --max-num-seqs) give equal, golden outputs; it "
+               "logs its cache use in its own words.",
+               _OURS_LOGGED.format(what="compile, cache hit and recompile"), _RBLN_DOCS),
+    Difference(_RBLN, "rbln_serving.compiled_dir_served", r"'RBLN load: compiled model' in",
+               "vllm-rbln serves optimum-rbln's own export with the golden outputs, and logs the load in its "
+               "own words.", _OURS_LOGGED.format(what="a load without compiling"), _RBLN_DOCS),
+)
+
+
+def known(column: str, scenario: str) -> Difference | None:
+    """The recorded difference of ``scenario`` on ``column``, or None."""
+    for d in KNOWN:
+        if (d.column, d.scenario) == (column, scenario):
+            return d
+    return None
