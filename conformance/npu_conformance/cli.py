@@ -183,6 +183,9 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
     except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
         print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
         return 2
+    except NotImplementedError as exc:
+        print(f"npu-harness mxq compile: not built: {exc}", file=sys.stderr)
+        return 2
     print(f"MXQ artifact written to {path} (model.mxq, config.json, model.safetensors)")
     return 0
 
@@ -339,7 +342,7 @@ def build_parser() -> argparse.ArgumentParser:
     al.set_defaults(func=_cmd_alias)
 
     mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally")
-    mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax"))
+    mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe"))
     mm.add_argument("--out", required=True, metavar="DIR")
     mm.add_argument("--seed", type=int, default=0, metavar="N")
     mm.set_defaults(func=_cmd_make_model)

@@ -27,7 +27,7 @@ def test_tiny_configs_parse(arch):
     assert cfg.num_key_value_groups == 2 and cfg.q_size == 128 and cfg.kv_size == 64
     assert cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
     assert cfg.attention_bias == (arch == "qwen2") and not cfg.o_proj_bias and not cfg.mlp_bias
-    assert cfg.qk_norm == (arch in ("qwen3", "exaone4"))
+    assert cfg.qk_norm == (arch in ("qwen3", "exaone4", "qwen3_moe"))
     theta = 10000.0 if arch in ("llama", "hyperclovax") else 1e6
     assert cfg.rope == RopeConfig("default", theta, 32, 1024)
     assert cfg.norm_layout == {"exaone4": "post", "hyperclovax": "peri"}.get(arch, "pre")
@@ -40,7 +40,51 @@ def test_tiny_configs_parse(arch):
     assert mults == ((1.5, 1.25, 0.125, 0.75) if arch == "hyperclovax" else (1.0, 1.0, 32**-0.5, 1.0))
     assert cfg.eos_token_ids == (0,) and cfg.bos_token_id == 1 and cfg.pad_token_id == 0
     assert cfg.dtype == "float32"
+    moe = (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob, cfg.sparse_layers)
+    assert moe == ((8, 2, 64, True, (True, True)) if arch == "qwen3_moe" else (0, 0, 0, False, ()))
+    assert cfg.is_moe == (arch == "qwen3_moe")
     hash(cfg)  # frozen and hashable
+
+
+@pytest.mark.parametrize(("overrides", "sparse"), [
+    ({}, (True, True, True, True)),
+    ({"mlp_only_layers": [0, 2]}, (False, True, False, True)),
+    ({"decoder_sparse_step": 2}, (False, True, False, True)),  # transformers: (i + 1) % step == 0
+    ({"decoder_sparse_step": 3, "mlp_only_layers": [2]}, (False, False, False, False)),
+    ({"num_experts": 0}, (False, False, False, False)),
+])
+def test_qwen3_moe_sparse_layers(overrides, sparse):
+    cfg = ModelConfig.from_dict(make_config("qwen3_moe", num_hidden_layers=4, **overrides))
+    assert cfg.sparse_layers == sparse
+    assert [cfg.is_sparse(i) for i in range(4)] == list(sparse)
+    assert cfg.is_moe == any(sparse)
+    # no sparse layer: the routing fields say so (a dense qwen3_moe config)
+    assert (cfg.num_experts > 0) == any(sparse)
+
+
+def test_qwen3_moe_defaults_are_transformers():
+    d = make_config("qwen3_moe")
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                "decoder_sparse_step", "mlp_only_layers"):
+        del d[key]
+    cfg = ModelConfig.from_dict(d)
+    assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == (128, 8, 768, False)
+    assert cfg.sparse_layers == (True, True)
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), [
+    ({"num_experts": -1}, r"'num_experts' must be an integer >= 0, got -1"),
+    ({"num_experts_per_tok": 0}, r"'num_experts_per_tok' must be an integer >= 1, got 0"),
+    ({"num_experts_per_tok": 9}, r"num_experts_per_tok 9 must be <= num_experts 8"),
+    ({"moe_intermediate_size": "64"}, r"'moe_intermediate_size' must be an integer >= 1, got '64'"),
+    ({"decoder_sparse_step": 0}, r"'decoder_sparse_step' must be an integer >= 1, got 0"),
+    ({"mlp_only_layers": [2]}, r"mlp_only_layers entry 2 is not a layer index \(0 \.\. 1\)"),
+    ({"mlp_only_layers": "0"}, r"'mlp_only_layers' must be a list of layer indices, got '0'"),
+    ({"norm_topk_prob": 1}, r"'norm_topk_prob' must be true or false, got 1"),
+])
+def test_bad_qwen3_moe_configs(overrides, pattern):
+    with pytest.raises(CheckpointError, match=pattern):
+        ModelConfig.from_dict(make_config("qwen3_moe", **overrides))
 
 
 def test_llama_biases_follow_the_config():
@@ -77,7 +121,7 @@ def test_load_config_reads_dir_and_file(tmp_path):
     ("overrides", "pattern"),
     [
         ({"model_type": "mistral"},
-         r"model_type 'mistral' is not supported \(supported: llama, qwen2, qwen3, exaone4, hyperclovax\)"),
+         r"model_type 'mistral' is not supported \(supported: llama, qwen2, qwen3, exaone4, hyperclovax, qwen3_moe\)"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported.*silu"),
         ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}},
          r"rope type 'yarn' is not supported \(supported: default, linear, dynamic, llama3\)"),

@@ -392,3 +392,61 @@ def test_npusim_imports_with_numpy_alone():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+# ---------------------------------------------------------------- Qwen3-MoE
+
+
+def test_moe_block_is_the_routed_weighted_sum_in_expert_order(tiny_decoder):
+    """A sparse layer's output is, per token, the sum over its top-k experts in ascending expert
+    id of weight x expert(x), each step rounded to the dtype (transformers' index_add_ order):
+    bit for bit, in float16 where the order matters."""
+    dec = tiny_decoder("qwen3_moe", dtype=np.float16)
+    x = np.random.default_rng(3).normal(size=(16, 128)).astype(np.float16)
+    experts, weights = dec.route(0, x)
+    assert experts.shape == weights.shape == (16, 2) and weights.dtype == np.float16
+    assert np.all(experts[:, 0] != experts[:, 1])
+    np.testing.assert_allclose(weights.astype(np.float64).sum(axis=1), 1.0, atol=2e-3)  # norm_topk_prob
+    got = dec._mlp(0, dec._layers[0], x)
+    for t in range(16):
+        acc = np.zeros(128, dtype=np.float16)
+        for slot in np.argsort(experts[t]):
+            y = dec.expert(0, int(experts[t, slot]), x[t : t + 1])[0]
+            acc = (acc.astype(np.float64) + (y.astype(np.float64) * float(weights[t, slot])).astype(np.float16)).astype(np.float16)
+        assert np.array_equal(got[t], acc), t
+
+
+def test_moe_router_is_softmax_top_k(tiny_decoder):
+    """route() picks the k largest softmax probabilities (lowest id first on a tie) and
+    renormalises them with norm_topk_prob; without it the weights are the probabilities."""
+    x = np.random.default_rng(4).normal(size=(8, 128))
+    for norm in (True, False):
+        dec = tiny_decoder("qwen3_moe", dtype=np.float64, norm_topk_prob=norm)
+        logits = x @ dec._layers[1]["router"].T
+        p = np.exp(logits - logits.max(axis=1, keepdims=True))
+        p /= p.sum(axis=1, keepdims=True)
+        experts, weights = dec.route(1, x)
+        want = np.argsort(-p, axis=1, kind="stable")[:, :2]
+        assert np.array_equal(experts, want)
+        w = np.take_along_axis(p, want, axis=1)
+        np.testing.assert_allclose(weights, w / w.sum(axis=1, keepdims=True) if norm else w, rtol=1e-12)
+
+
+def test_moe_errors_name_the_value(tiny_decoder):
+    dense_first = tiny_decoder("qwen3_moe", mlp_only_layers=[0])
+    with pytest.raises(ValueError, match=r"layer 0 has no router \(the sparse layers are \[1\]\)"):
+        dense_first.route(0, np.zeros((1, 128)))
+    with pytest.raises(ValueError, match=r"expected router inputs of shape \[T, 128\], got shape \(2, 64\)"):
+        dense_first.route(1, np.zeros((2, 64)))
+    with pytest.raises(ValueError, match=r"expert 8 is out of range \[0, 8\)"):
+        dense_first.expert(1, 8, np.zeros((1, 128)))
+    with pytest.raises(ValueError, match=r"layer 0 has no experts"):
+        tiny_decoder("llama").expert(0, 0, np.zeros((1, 128)))
+
+
+def test_moe_has_no_q4x32_path():
+    from npusim.llm import UnsupportedLinearError
+
+    cfg = ModelConfig.from_dict(make_config("qwen3_moe", vocab_size=1024))
+    with pytest.raises(UnsupportedLinearError, match=r"linear='q4x32' does not cover Mixture-of-Experts layers \(qwen3_moe: 8 experts\)"):
+        Decoder(cfg, make_weights(cfg), linear="q4x32")

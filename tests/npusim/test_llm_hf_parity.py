@@ -4,7 +4,7 @@ The per-family checks (64-token prefill within 1e-4, greedy decoding of 32 token
 to ``generate``) are the reference conformance scenarios,
 ``conformance/npu_conformance/scenarios/test_llm_reference.py``, which this suite also runs.
 Here: RoPE scaling types ``linear``, ``dynamic`` and ``llama3`` within 1e-4, and greedy
-decoding identical; and the EXAONE 4 / HyperCLOVA X variants (sliding window 8 crossed by
+decoding identical; and the EXAONE 4 / HyperCLOVA X / Qwen3-MoE variants (sliding window 8 crossed by
 prompts and decoding, global NoPE layers, post/Peri-LN norms, MuP multipliers): one-shot and
 chunked prefill of 64 tokens within 1e-4 (NMSE <= 1e-9) of transformers' forward, chunked
 prefill also against transformers fed the same chunks through its own cache, and greedy
@@ -101,6 +101,11 @@ FAMILY_CASES = {
     "hyperclovax": ("hyperclovax", {}),
     # no Peri-LN output norms, the standard head_dim ** -0.5 attention scale
     "hyperclovax-plain": ("hyperclovax", {"use_post_norm": False, "attention_multiplier": None}),
+    # Qwen3-MoE: every layer sparse (8 experts, top-2, renormalised); a dense first layer
+    # (mlp_only_layers); every second layer sparse and the top-k weights not renormalised
+    "qwen3_moe": ("qwen3_moe", {}),
+    "qwen3_moe-dense-first": ("qwen3_moe", {"mlp_only_layers": [0]}),
+    "qwen3_moe-step2-raw-weights": ("qwen3_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2, "norm_topk_prob": False}),
 }
 #: Chunk sizes of a 64-token prompt that start and end chunks inside and across windows of 8.
 CHUNKS = [5, 3, 8, 1, 13, 2, 32]
@@ -143,7 +148,8 @@ def test_family_prefill_matches_hf(case, tiny_model_dir, hf_model, record_diff):
     d = tiny_model_dir(arch, **overrides)
     dec = Decoder.from_pretrained(d)
     model = hf_model(d)
-    assert type(model).__name__ == {"exaone4": "Exaone4ForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM"}[arch]
+    assert type(model).__name__ == {"exaone4": "Exaone4ForCausalLM", "hyperclovax": "HyperCLOVAXForCausalLM",
+                                    "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]
     ids = _prompt(64, seed=3)
     ref = _hf_logits(model, ids)
     ours = dec.prefill(ids, dec.new_cache(64))
@@ -194,3 +200,21 @@ def test_exaone4_window_and_nope_matter(tiny_model_dir, hf_model):
     assert np.abs(wide.prefill(ids, wide.new_cache(64)) - ours).max() > 1e-2
     roped = Decoder(dataclasses.replace(dec.config, full_attention_rope=True), weights)  # RoPE in layer 3 too
     assert np.abs(roped.prefill(ids, roped.new_cache(64)) - ours).max() > 1e-2
+
+
+def test_qwen3_moe_routing_matters(tiny_model_dir, hf_model):
+    """The Qwen3-MoE parity above proves something: each layer's router spreads 64 inputs over
+    all 8 experts (none is dead weight), and routing differently (top-1, or the top-2 weights not renormalised) moves
+    the logits far beyond the tolerance."""
+    d = tiny_model_dir("qwen3_moe")
+    dec = Decoder.from_pretrained(d)
+    weights = load_safetensors(d)
+    ids = _prompt(64, seed=3)
+    ours = dec.prefill(ids, dec.new_cache(64))
+    for layer in range(dec.config.num_hidden_layers):
+        h = np.random.default_rng(layer).normal(size=(64, dec.config.hidden_size))
+        experts, _ = dec.route(layer, h)
+        assert set(experts.ravel().tolist()) == set(range(8))
+    for change in ({"num_experts_per_tok": 1}, {"norm_topk_prob": False}):
+        other = Decoder(ModelConfig.from_dict({**dec.config.raw, **change}), weights)
+        assert np.abs(other.prefill(ids, other.new_cache(64)) - ours).max() > 1e-2, change

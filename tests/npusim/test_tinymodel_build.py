@@ -20,6 +20,7 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "exaone4": "Exaone4ForCausalLM",
     "hyperclovax": "HyperCLOVAXForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 EXPECTED_FILES = {
@@ -37,11 +38,11 @@ def _digests(d: Path) -> dict[str, str]:
 
 
 def test_arches():
-    assert tinymodel.ARCHES == ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax")
+    assert tinymodel.ARCHES == ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe")
 
 
 def test_unknown_arch(tmp_path):
-    with pytest.raises(ValueError, match=r"unknown arch 'gpt2' \(choices: llama, qwen2, qwen3, exaone4, hyperclovax\)"):
+    with pytest.raises(ValueError, match=r"unknown arch 'gpt2' \(choices: llama, qwen2, qwen3, exaone4, hyperclovax, qwen3_moe\)"):
         tinymodel.build("gpt2", tmp_path)
     assert not any(tmp_path.iterdir())
 
@@ -71,9 +72,12 @@ def test_files_and_contents(arch, tiny_model_dir):
 
     weights = load_safetensors(d)
     assert all(w.dtype == np.float32 for w in weights.values())
-    assert ("lm_head.weight" in weights) == (arch in ("llama", "exaone4", "hyperclovax"))
+    assert ("lm_head.weight" in weights) == (arch in ("llama", "exaone4", "hyperclovax", "qwen3_moe"))
     assert ("model.layers.0.self_attn.q_proj.bias" in weights) == (arch == "qwen2")
-    assert ("model.layers.1.self_attn.k_norm.weight" in weights) == (arch in ("qwen3", "exaone4"))
+    assert ("model.layers.1.self_attn.k_norm.weight" in weights) == (arch in ("qwen3", "exaone4", "qwen3_moe"))
+    assert ("model.layers.1.mlp.gate.weight" in weights) == (arch == "qwen3_moe")  # the MoE router
+    assert ("model.layers.1.mlp.experts.7.down_proj.weight" in weights) == (arch == "qwen3_moe")
+    assert ("model.layers.1.mlp.gate_proj.weight" in weights) == (arch != "qwen3_moe")
     assert ("model.layers.1.input_layernorm.weight" in weights) == (arch != "exaone4")
     assert ("model.layers.1.post_feedforward_layernorm.weight" in weights) == (arch == "exaone4")
     assert ("model.layers.1.post_norm2.weight" in weights) == (arch == "hyperclovax")

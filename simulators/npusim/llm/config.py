@@ -2,8 +2,9 @@
 
 Families (``model_type``): ``llama``, ``qwen2``, ``qwen3``, ``exaone4`` (EXAONE 4.0: hybrid
 sliding-window / global attention, global layers without RoPE, QK RMSNorm, norms on the
-sub-layer outputs) and ``hyperclovax`` (HyperCLOVA X: Llama with MuP multipliers and
-Peri-LN output norms).
+sub-layer outputs), ``hyperclovax`` (HyperCLOVA X: Llama with MuP multipliers and
+Peri-LN output norms) and ``qwen3_moe`` (Qwen3-MoE: Qwen3 attention, sparse Mixture-of-Experts
+MLPs with top-k routing).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from .rope import RopeConfig
 
 __all__ = ["LAYER_TYPES", "NORM_LAYOUTS", "SUPPORTED_MODEL_TYPES", "ModelConfig", "load_config"]
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe")
 SUPPORTED_ACTIVATIONS = ("silu", "swish")  # the same function under two names
 
 #: Attention kinds a layer may have (``ModelConfig.layer_types`` entries).
@@ -34,21 +35,27 @@ LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
 NORM_LAYOUTS = ("pre", "post", "peri")
 
 # transformers' defaults for keys a config.json may omit, per family.
-_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "exaone4": 2048, "hyperclovax": 2048}
+_DEFAULT_MAX_POSITIONS = {"llama": 2048, "qwen2": 32768, "qwen3": 32768, "exaone4": 2048, "hyperclovax": 2048,
+                          "qwen3_moe": 32768}
 _DEFAULT_RMS_EPS = {"exaone4": 1e-5}  # every other family: 1e-6
 #: EXAONE 4.0's global-attention layer every ``sliding_window_pattern`` layers (int form only).
 _EXAONE4_DEFAULT_PATTERN = 4
+#: transformers' ``Qwen3MoeConfig`` defaults for the Mixture-of-Experts keys a config may omit.
+_QWEN3_MOE_DEFAULTS: dict[str, Any] = {
+    "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768, "decoder_sparse_step": 1,
+    "norm_topk_prob": False, "mlp_only_layers": [],
+}
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture of a Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X decoder-only model.
+    """The architecture of a Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X / Qwen3-MoE decoder-only model.
 
     Attributes:
         model_type: one of :data:`SUPPORTED_MODEL_TYPES`.
         vocab_size: number of token ids; valid ids are ``0 .. vocab_size - 1``.
         hidden_size: width of the residual stream.
-        intermediate_size: width of the SwiGLU MLP.
+        intermediate_size: width of the SwiGLU MLP (of the dense layers, for a Mixture-of-Experts model).
         num_hidden_layers: number of decoder layers.
         num_attention_heads: query heads.
         num_key_value_heads: key/value heads (grouped-query attention; divides the query heads).
@@ -98,6 +105,16 @@ class ModelConfig:
             :attr:`attention_scale`). Only hyperclovax sets it.
         logits_scaling: the LM head's output is multiplied by this (hyperclovax, a multiplier,
             unlike Granite's divisor; 1.0 otherwise). Dimensionless.
+        num_experts: experts per sparse layer (qwen3_moe; 0 for every other family: no sparse
+            layer).
+        num_experts_per_tok: experts each token is routed to in a sparse layer (top-k of the
+            router's softmax); 0 when ``num_experts`` is 0.
+        moe_intermediate_size: width of each expert's SwiGLU MLP; 0 when ``num_experts`` is 0.
+        norm_topk_prob: the top-k routing probabilities are renormalised to sum to 1 before
+            weighting the experts' outputs (transformers ``norm_topk_prob``).
+        sparse_layers: one flag per layer, true where the MLP is the sparse Mixture-of-Experts
+            block (qwen3_moe: layer ``i`` not in ``mlp_only_layers`` and ``(i + 1) %
+            decoder_sparse_step == 0``, as transformers decides); empty for dense families.
         bos_token_id, eos_token_ids, pad_token_id: special token ids from the config (``eos``
             may be several ids; empty tuple if absent).
         architectures: e.g. ``("LlamaForCausalLM",)``.
@@ -130,6 +147,11 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    sparse_layers: tuple[bool, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
@@ -157,6 +179,15 @@ class ModelConfig:
         """The factor attention scores are multiplied by: ``attention_multiplier`` or ``head_dim ** -0.5``."""
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
+    @property
+    def is_moe(self) -> bool:
+        """At least one layer's MLP is a sparse Mixture-of-Experts block."""
+        return any(self.sparse_layers)
+
+    def is_sparse(self, layer: int) -> bool:
+        """Layer ``layer`` (0-based) has the sparse Mixture-of-Experts MLP (router and experts)."""
+        return bool(self.sparse_layers) and self.sparse_layers[layer]
+
     def is_sliding(self, layer: int) -> bool:
         """Layer ``layer`` (0-based) attends over the last :attr:`sliding_window` tokens only."""
         return bool(self.layer_types) and self.layer_types[layer] == SLIDING_ATTENTION
@@ -180,7 +211,10 @@ class ModelConfig:
                 heads not divisible by key/value heads, odd head_dim, ``layer_types`` not one
                 per layer, sliding layers without a positive ``sliding_window``, hyperclovax
                 ``hidden_size`` not a multiple of the heads, a multiplier that is not a
-                finite number).
+                finite number); for qwen3_moe a Mixture-of-Experts key of the wrong type or out of
+                range (``num_experts`` < 0, ``num_experts_per_tok`` not in ``1 ..
+                num_experts``, ``moe_intermediate_size`` or ``decoder_sparse_step`` not
+                positive, an ``mlp_only_layers`` entry that is not a layer index).
         """
         d = dict(config)
         mt = d.get("model_type")
@@ -227,6 +261,7 @@ class ModelConfig:
         qkv_bias, o_bias, mlp_bias, qk_norm = _biases_and_qk_norm(d, mt)
         norm_layout = {"exaone4": "post", "hyperclovax": "peri" if d.get("use_post_norm", True) else "pre"}.get(mt, "pre")
         mults = _multipliers(d) if mt == "hyperclovax" else {}
+        moe = _qwen3_moe(d, layers) if mt == "qwen3_moe" else {}
 
         eos = d.get("eos_token_id")
         eos_ids: tuple[int, ...] = () if eos is None else ((int(eos),) if isinstance(eos, int) else tuple(int(e) for e in eos))
@@ -254,6 +289,7 @@ class ModelConfig:
             full_attention_rope=full_rope,
             norm_layout=norm_layout,
             **mults,
+            **moe,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             pad_token_id=d.get("pad_token_id"),
@@ -320,7 +356,7 @@ def _biases_and_qk_norm(d: Mapping[str, Any], mt: str) -> tuple[bool, bool, bool
         return attention_bias, attention_bias, bool(d.get("mlp_bias", False)), False
     if mt == "qwen2":
         return True, False, False, False
-    if mt == "qwen3":
+    if mt in ("qwen3", "qwen3_moe"):
         return attention_bias, attention_bias, False, True
     return False, False, False, True  # exaone4: no biases at all, QK norm always
 
@@ -339,6 +375,35 @@ def _multipliers(d: Mapping[str, Any]) -> dict[str, float | None]:
             raise CheckpointError(f"config: {key!r} must be a finite number, got {v!r}")
         out[key] = float(v)
     return out
+
+
+def _qwen3_moe(d: Mapping[str, Any], layers: int) -> dict[str, Any]:
+    """Qwen3-MoE's routing keys as :class:`ModelConfig` fields (transformers' defaults for absent keys)."""
+    v = {key: d.get(key, default) for key, default in _QWEN3_MOE_DEFAULTS.items()}
+    for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step"):
+        if isinstance(v[key], bool) or not isinstance(v[key], int) or v[key] < (0 if key == "num_experts" else 1):
+            rule = ">= 0" if key == "num_experts" else ">= 1"
+            raise CheckpointError(f"config: {key!r} must be an integer {rule}, got {v[key]!r}")
+    experts, top_k = v["num_experts"], v["num_experts_per_tok"]
+    if experts and top_k > experts:
+        raise CheckpointError(f"config: num_experts_per_tok {top_k} must be <= num_experts {experts}")
+    only = v["mlp_only_layers"]
+    if not isinstance(only, (list, tuple)) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise CheckpointError(f"config: 'mlp_only_layers' must be a list of layer indices, got {only!r}")
+    outside = sorted(i for i in only if not 0 <= i < layers)
+    if outside:
+        raise CheckpointError(f"config: mlp_only_layers entry {outside[0]} is not a layer index (0 .. {layers - 1})")
+    if not isinstance(v["norm_topk_prob"], bool):
+        raise CheckpointError(f"config: 'norm_topk_prob' must be true or false, got {v['norm_topk_prob']!r}")
+    step = v["decoder_sparse_step"]
+    sparse = tuple(experts > 0 and i not in only and (i + 1) % step == 0 for i in range(layers))
+    return {
+        "num_experts": experts if any(sparse) else 0,
+        "num_experts_per_tok": top_k if any(sparse) else 0,
+        "moe_intermediate_size": v["moe_intermediate_size"] if any(sparse) else 0,
+        "norm_topk_prob": v["norm_topk_prob"],
+        "sparse_layers": sparse,
+    }
 
 
 def load_config(path: str | os.PathLike) -> ModelConfig:

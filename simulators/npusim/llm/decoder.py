@@ -1,4 +1,4 @@
-"""The golden numpy decoder for Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X checkpoints.
+"""The golden numpy decoder for Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X / Qwen3-MoE checkpoints.
 
 Computation per layer, as in transformers' eager implementation (``m`` the residual
 multiplier, 1 except for hyperclovax; see ``ModelConfig.norm_layout``)::
@@ -16,6 +16,19 @@ multiplier, 1 except for hyperclovax; see ``ModelConfig.norm_layout``)::
 * hyperclovax (``"peri"``): as llama plus ``p1 = post_norm1``, ``p2 = post_norm2``; the input
   embeddings are multiplied by ``embedding_multiplier``, attention scores by
   ``attention_multiplier`` (instead of ``head_dim ** -0.5``) and the logits by ``logits_scaling``.
+
+* qwen3_moe: as qwen3, except that a sparse layer (``ModelConfig.is_sparse``) replaces the MLP by
+  a Mixture-of-Experts block, as transformers' ``Qwen3MoeSparseMoeBlock``::
+
+      p = softmax(gate(y))                                  router, per token, over num_experts
+      e_1 .. e_k = the top-k experts by p (lowest expert id first on a tie), w_i = p[e_i]
+      w_i = w_i / sum(w)                                    only with norm_topk_prob
+      out = sum over e_i in ascending expert id of  w_i * expert_{e_i}(y)
+
+  each expert a SwiGLU MLP of width ``moe_intermediate_size``; the sum is accumulated in the
+  decoder dtype, in ascending expert id (transformers' ``index_add_`` order), so a token's result
+  does not depend on the other tokens of its batch. (The Mobilint device adds the experts in the
+  order they finish; that is the simulator's business, not this reference's.)
 
 then a final RMSNorm and the LM head. Attention is grouped-query and causal over the
 sequence's KV cache: query ``t`` of a chunk appended at cache length ``L`` sees keys
@@ -47,7 +60,7 @@ import numpy as np
 from .config import ModelConfig, load_config
 from .errors import CheckpointError, KVCacheOverflowError
 from .kvcache import KVCache
-from .qlinear import FusedQ4Linear, check_linear_kind
+from .qlinear import FusedQ4Linear, UnsupportedLinearError, check_linear_kind
 from .rope import apply_rope
 from .safetensors import load_safetensors
 
@@ -95,6 +108,14 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if c.qk_norm:
             shapes[p + "self_attn.q_norm.weight"] = (c.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (c.head_dim,)
+        if c.is_sparse(i):
+            e_inter = c.moe_intermediate_size
+            shapes[p + "mlp.gate.weight"] = (c.num_experts, h)
+            for e in range(c.num_experts):
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (e_inter, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (e_inter, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, e_inter)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
@@ -124,7 +145,7 @@ def _silu(x: np.ndarray) -> np.ndarray:
 
 
 class Decoder:
-    """A decoder-only transformer (Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X) evaluated with numpy.
+    """A decoder-only transformer (Llama / Qwen2 / Qwen3 / EXAONE 4 / HyperCLOVA X / Qwen3-MoE) evaluated with numpy.
 
     Attributes:
         config: the :class:`ModelConfig`.
@@ -145,11 +166,17 @@ class Decoder:
         Raises:
             CheckpointError: a tensor is missing or its shape differs from the one ``config``
                 implies (both shapes are named).
-            UnsupportedLinearError: unknown ``linear``, or (``q4x32``) a projection whose K is
-                not a multiple of 32.
+            UnsupportedLinearError: unknown ``linear``; (``q4x32``) a projection whose K is
+                not a multiple of 32, or a Mixture-of-Experts model (the experts' GEMMs are not
+                quantized by this path).
             ValueError: unsupported ``dtype``.
         """
         self.linear = check_linear_kind(linear)
+        if self.linear == "q4x32" and config.is_moe:
+            raise UnsupportedLinearError(
+                f"linear='q4x32' does not cover Mixture-of-Experts layers ({config.model_type}: "
+                f"{config.num_experts} experts); use linear='float'"
+            )
         dt = np.dtype(dtype)
         if dt not in _SUPPORTED_DTYPES:
             raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
@@ -175,25 +202,24 @@ class Decoder:
         for i in range(config.num_hidden_layers):
             p = f"model.layers.{i}."
             norms = {site: (None if name is None else w[p + name + ".weight"]) for site, name in _NORM_SITES[config.norm_layout].items()}
+            if config.is_sparse(i):
+                experts = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
+                mlp = {
+                    "router": w[p + "mlp.gate.weight"],
+                    "ewg": np.stack([w[x + "gate_proj.weight"] for x in experts]),
+                    "ewu": np.stack([w[x + "up_proj.weight"] for x in experts]),
+                    "ewd": np.stack([w[x + "down_proj.weight"] for x in experts]),
+                }
+            else:
+                mlp = _projections(w, p, {"g": "mlp.gate_proj", "u": "mlp.up_proj", "d": "mlp.down_proj"})
             self._layers.append(
                 {
                     **norms,
-                    "wq": w[p + "self_attn.q_proj.weight"],
-                    "wk": w[p + "self_attn.k_proj.weight"],
-                    "wv": w[p + "self_attn.v_proj.weight"],
-                    "wo": w[p + "self_attn.o_proj.weight"],
-                    "bq": w.get(p + "self_attn.q_proj.bias"),
-                    "bk": w.get(p + "self_attn.k_proj.bias"),
-                    "bv": w.get(p + "self_attn.v_proj.bias"),
-                    "bo": w.get(p + "self_attn.o_proj.bias"),
+                    **_projections(w, p, {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                                          "o": "self_attn.o_proj"}),
                     "qn": w.get(p + "self_attn.q_norm.weight"),
                     "kn": w.get(p + "self_attn.k_norm.weight"),
-                    "wg": w[p + "mlp.gate_proj.weight"],
-                    "wu": w[p + "mlp.up_proj.weight"],
-                    "wd": w[p + "mlp.down_proj.weight"],
-                    "bg": w.get(p + "mlp.gate_proj.bias"),
-                    "bu": w.get(p + "mlp.up_proj.bias"),
-                    "bd": w.get(p + "mlp.down_proj.bias"),
+                    **mlp,
                 }
             )
         # linear="q4x32": per layer, the fused GEMMs quantized once (vLLM's fusion and order)
@@ -504,8 +530,70 @@ class Decoder:
         (o,) = self._q4[li]["o"](attn.reshape(n_tok, nh * hd), (L["bo"],), dt)
         return o
 
+    def route(self, layer: int, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The router of sparse layer ``layer`` for the normed MLP inputs ``x`` ``[T, hidden_size]``.
+
+        Returns:
+            ``(experts, weights)``: ``[T, num_experts_per_tok]`` expert ids (by falling
+            probability, lowest id first on a tie) and their weights (the softmax
+            probabilities, renormalised with ``norm_topk_prob``), rounded to the decoder dtype.
+
+        Raises:
+            ValueError: layer ``layer`` is not a sparse layer (names it), or ``x`` is not
+                ``[T, hidden_size]``.
+        """
+        c = self.config
+        if not 0 <= layer < c.num_hidden_layers or not c.is_sparse(layer):
+            sparse = [i for i in range(c.num_hidden_layers) if c.is_sparse(i)]
+            raise ValueError(f"layer {layer!r} has no router (the sparse layers are {sparse})")
+        x = np.asarray(x)
+        if x.ndim != 2 or x.shape[1] != c.hidden_size:
+            raise ValueError(f"expected router inputs of shape [T, {c.hidden_size}], got shape {x.shape}")
+        logits = self._linear(x, self._layers[layer]["router"], None).astype(_ACC)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        top = np.argsort(-probs, axis=-1, kind="stable")[:, : c.num_experts_per_tok]
+        weights = np.take_along_axis(probs, top, axis=-1)
+        if c.norm_topk_prob:
+            weights = weights / weights.sum(axis=-1, keepdims=True)
+        return top, weights.astype(self.dtype)
+
+    def expert(self, layer: int, expert: int, x: np.ndarray) -> np.ndarray:
+        """Expert ``expert`` of sparse layer ``layer`` on ``x`` ``[T, hidden_size]`` (unweighted), rounded to the dtype.
+
+        Raises:
+            ValueError: not a sparse layer, or ``expert`` outside ``0 .. num_experts - 1``.
+        """
+        c = self.config
+        if not 0 <= layer < c.num_hidden_layers or not c.is_sparse(layer):
+            raise ValueError(f"layer {layer!r} has no experts")
+        if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or not 0 <= expert < c.num_experts:
+            raise ValueError(f"expert {expert!r} is out of range [0, {c.num_experts})")
+        L = self._layers[layer]
+        return self._swiglu(x, L["ewg"][expert], L["ewu"][expert], L["ewd"][expert])
+
+    def _swiglu(self, x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np.ndarray:
+        """``down(silu(gate(x)) * up(x))`` in float64, each step rounded to the dtype (no biases)."""
+        dt = self.dtype
+        g = self._linear(x, wg, None).astype(_ACC)
+        u = self._linear(x, wu, None).astype(_ACC)
+        return self._linear((_silu(g).astype(dt).astype(_ACC) * u).astype(dt), wd, None)
+
+    def _moe(self, li: int, x: np.ndarray) -> np.ndarray:
+        """The sparse block of layer ``li``: routed experts, weighted, summed in ascending expert id."""
+        dt = self.dtype
+        top, weights = self.route(li, x)
+        out = np.zeros_like(x, dtype=dt)
+        for e in np.unique(top):
+            rows, slot = np.nonzero(top == e)
+            y = self.expert(li, int(e), x[rows]).astype(_ACC) * weights[rows, slot, None].astype(_ACC)
+            out[rows] = (out[rows].astype(_ACC) + y.astype(dt)).astype(dt)
+        return out
+
     def _mlp(self, li: int, L: Mapping[str, np.ndarray | None], x: np.ndarray) -> np.ndarray:
-        """SwiGLU MLP of layer ``li``: ``down_proj(silu(gate_proj(x)) * up_proj(x))``."""
+        """The MLP of layer ``li``: SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))``, or the sparse block."""
+        if self.config.is_sparse(li):
+            return self._moe(li, x)
         dt = self.dtype
         if self._q4 is None:
             g = self._linear(x, L["wg"], L["bg"])
@@ -518,6 +606,15 @@ class Decoder:
             return self._linear(mlp, L["wd"], L["bd"])
         (d,) = self._q4[li]["down"](mlp, (L["bd"],), dt)
         return d
+
+
+def _projections(w: Mapping[str, np.ndarray], prefix: str, names: Mapping[str, str]) -> dict[str, np.ndarray | None]:
+    """``{"w" + key: weight, "b" + key: bias or None}`` of the projections ``prefix + names[key]``."""
+    out: dict[str, np.ndarray | None] = {}
+    for key, name in names.items():
+        out["w" + key] = w[prefix + name + ".weight"]
+        out["b" + key] = w.get(prefix + name + ".bias")
+    return out
 
 
 def _attention_mask(start: int, n: int, window: int | None) -> np.ndarray:

@@ -1,6 +1,6 @@
 """Build tiny random-weight Hugging Face checkpoints locally (no network).
 
-Architectures: :data:`ARCHES` (llama, qwen2, qwen3, exaone4, hyperclovax).
+Architectures: :data:`ARCHES` (llama, qwen2, qwen3, exaone4, hyperclovax, qwen3_moe).
 
 A built directory holds ``config.json`` and ``generation_config.json`` (transformers 5.19
 format), ``model.safetensors`` (float32, HF tensor names, written with numpy), and a byte-level
@@ -43,7 +43,7 @@ __all__ = [
     "train_tokenizer",
 ]
 
-ARCHES = ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax")
+ARCHES = ("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe")
 
 #: exaone4's attention pattern ("L" sliding, "G" global), repeated over the layers; the last
 #: layer is always global (as the pattern's documentation in transformers says).
@@ -146,6 +146,26 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "tie_word_embeddings": False,
         "use_post_norm": True,
     },
+    # Qwen3-MoE as mobilint/Qwen3-30B-A3B is laid out (every layer sparse, untied head,
+    # renormalised top-k), scaled down: 8 experts, top-2, experts 64 wide
+    "qwen3_moe": {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "decoder_sparse_step": 1,
+        "max_window_layers": 28,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 64,
+        "norm_topk_prob": True,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "output_router_logits": False,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+    },
 }
 
 
@@ -242,6 +262,8 @@ def make_weights(config: ModelConfig, seed: int = 0) -> dict[str, np.ndarray]:
             w = rng.normal(0.0, std, shape)
         elif name == "lm_head.weight":
             w = rng.normal(0.0, 3.0 / np.sqrt(hidden), shape)
+        elif name.endswith(".mlp.gate.weight"):  # a MoE router: logits of spread ~1, no near-ties
+            w = rng.normal(0.0, 1.0 / np.sqrt(hidden), shape)
         elif len(shape) == 1 and name.endswith(".weight"):  # the only 1-D weights are RMSNorm scales
             w = 1.0 + rng.normal(0.0, 0.05, shape)
         elif name.endswith(".bias"):
@@ -265,7 +287,9 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
             rope_theta 1e6), ``"qwen3"`` (tied, q/k norms, rope_theta 1e6), ``"exaone4"``
             (untied, 4 layers: sliding-window 8 / sliding / sliding / global NoPE, q/k norms,
             post-sub-layer norms, rope_theta 1e6) or ``"hyperclovax"`` (untied, Peri-LN,
-            embedding x1.5, residual x1.25, attention scale 0.125, logits x0.75, rope_theta 1e4).
+            embedding x1.5, residual x1.25, attention scale 0.125, logits x0.75, rope_theta 1e4)
+            or ``"qwen3_moe"`` (untied, q/k norms, rope_theta 1e6, every layer a sparse block of
+            8 experts 64 wide, top-2 routing renormalised).
         out_dir: destination directory (created if missing; our files are overwritten).
         seed: weight seed. Same arguments -> byte-identical files.
         **config_overrides: keys merged into ``config.json`` (e.g. ``num_hidden_layers=1``,
@@ -273,7 +297,8 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
             resulting sizes.
 
     Defaults: hidden 128, 4 heads, 2 KV heads, head_dim 32, intermediate 256, 2 layers (exaone4:
-    4), vocab 1024 (the tokenizer's size), max_position_embeddings 1024; about 2 MB (exaone4 3.4 MB).
+    4), vocab 1024 (the tokenizer's size), max_position_embeddings 1024; about 2 MB (exaone4 3.4 MB,
+    qwen3_moe 3.1 MB).
 
     Returns:
         ``Path(out_dir)``.
