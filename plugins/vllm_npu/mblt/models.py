@@ -11,11 +11,18 @@ both have to be known in every vLLM process:
 - :class:`MobilintForCausalLM` is a placeholder that satisfies vLLM's model interface
   checks. The MBLT worker never builds it: the model runs inside the MXQ, through the
   runtime API. Building it raises :class:`MobilintModelNotBuildable`.
+- :func:`refuse_unbuilt_release`: a release of a kind vllm-mblt serves and this plugin does not
+  yet (:data:`NOT_BUILT_MODEL_TYPES`: MoE, EAGLE-3, VLM, ASR) is refused before vLLM parses
+  its config, with :class:`MobilintReleaseNotBuilt` naming the issue that builds it (otherwise
+  vLLM would stop on an unknown model type or architecture, which says nothing of why).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+from pathlib import Path
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
@@ -27,7 +34,50 @@ TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mobilint-exaone4": ("MobilintExaone4ForCausalLM", "MobilintExaone4Config"),
 }
 
+#: Mobilint release model types that vllm-mblt 0.8.0 serves and this plugin does not yet ->
+#: (what the release is, the issue that builds it).
+NOT_BUILT_MODEL_TYPES: dict[str, tuple[str, int]] = {
+    "mobilint-qwen3_moe": ("a Mixture-of-Experts (Qwen3-MoE) release", 13),
+    "mobilint-llama-eagle3": ("an EAGLE-3 speculative-decoding release (Llama base)", 13),
+    "mobilint-qwen2-eagle3": ("an EAGLE-3 speculative-decoding release (Qwen2 base)", 13),
+    "mobilint-qwen3-eagle3": ("an EAGLE-3 speculative-decoding release (Qwen3 base)", 13),
+    "mobilint-qwen2_vl": ("a vision-language (Qwen2-VL) release", 14),
+    "mobilint-qwen3_vl": ("a vision-language (Qwen3-VL) release", 14),
+    "mobilint-qwen3_asr": ("a speech-to-text (Qwen3-ASR) release", 14),
+}
+
 _REGISTERED = False
+
+
+class MobilintReleaseNotBuilt(NotImplementedError):
+    """The model directory is a Mobilint release of a kind this plugin does not serve yet."""
+
+
+def refuse_unbuilt_release(model: str | os.PathLike | None) -> None:
+    """Refuse a local model directory whose ``config.json`` names a model type of
+    :data:`NOT_BUILT_MODEL_TYPES`.
+
+    Anything else passes untouched, for vLLM to judge: a Hub id (not a local directory), a
+    directory without a readable ``config.json``, any other model type.
+
+    Raises:
+        MobilintReleaseNotBuilt: the release's kind is not served yet; the message names the
+            directory, its model type and the issue.
+    """
+    if model is None:
+        return
+    path = Path(model) / "config.json"
+    try:
+        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return
+    if model_type in NOT_BUILT_MODEL_TYPES:
+        what, issue = NOT_BUILT_MODEL_TYPES[model_type]
+        raise MobilintReleaseNotBuilt(
+            f"{model}: model_type {model_type!r} is {what}, which vllm-mblt serves and the MBLT "
+            f"plugin does not yet (issue {issue}); the plugin serves the text releases "
+            f"({', '.join(TEXT_MODEL_TYPES)})"
+        )
 
 
 class MobilintModelNotBuildable(RuntimeError):
