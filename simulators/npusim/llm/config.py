@@ -397,10 +397,11 @@ def _qwen3_moe(d: Mapping[str, Any], layers: int) -> dict[str, Any]:
         raise CheckpointError(f"config: 'norm_topk_prob' must be true or false, got {v['norm_topk_prob']!r}")
     step = v["decoder_sparse_step"]
     sparse = tuple(experts > 0 and i not in only and (i + 1) % step == 0 for i in range(layers))
+    routed = any(sparse)  # else a dense model: no routing fields
     return {
-        "num_experts": experts if any(sparse) else 0,
-        "num_experts_per_tok": top_k if any(sparse) else 0,
-        "moe_intermediate_size": v["moe_intermediate_size"] if any(sparse) else 0,
+        "num_experts": experts if routed else 0,
+        "num_experts_per_tok": top_k if routed else 0,
+        "moe_intermediate_size": v["moe_intermediate_size"] if routed else 0,
         "norm_topk_prob": v["norm_topk_prob"],
         "sparse_layers": sparse,
     }

@@ -543,13 +543,11 @@ class Decoder:
                 ``[T, hidden_size]``.
         """
         c = self.config
-        if not 0 <= layer < c.num_hidden_layers or not c.is_sparse(layer):
-            sparse = [i for i in range(c.num_hidden_layers) if c.is_sparse(i)]
-            raise ValueError(f"layer {layer!r} has no router (the sparse layers are {sparse})")
+        L = self._sparse_layer(layer, "router")
         x = np.asarray(x)
         if x.ndim != 2 or x.shape[1] != c.hidden_size:
             raise ValueError(f"expected router inputs of shape [T, {c.hidden_size}], got shape {x.shape}")
-        logits = self._linear(x, self._layers[layer]["router"], None).astype(_ACC)
+        logits = self._linear(x, L["router"], None).astype(_ACC)
         probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
         probs /= probs.sum(axis=-1, keepdims=True)
         top = np.argsort(-probs, axis=-1, kind="stable")[:, : c.num_experts_per_tok]
@@ -564,20 +562,29 @@ class Decoder:
         Raises:
             ValueError: not a sparse layer, or ``expert`` outside ``0 .. num_experts - 1``.
         """
-        c = self.config
-        if not 0 <= layer < c.num_hidden_layers or not c.is_sparse(layer):
-            raise ValueError(f"layer {layer!r} has no experts")
-        if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or not 0 <= expert < c.num_experts:
-            raise ValueError(f"expert {expert!r} is out of range [0, {c.num_experts})")
-        L = self._layers[layer]
+        n = self.config.num_experts
+        L = self._sparse_layer(layer, "experts")
+        if isinstance(expert, bool) or not isinstance(expert, (int, np.integer)) or not 0 <= expert < n:
+            raise ValueError(f"expert {expert!r} is out of range [0, {n})")
         return self._swiglu(x, L["ewg"][expert], L["ewu"][expert], L["ewd"][expert])
 
-    def _swiglu(self, x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray) -> np.ndarray:
-        """``down(silu(gate(x)) * up(x))`` in float64, each step rounded to the dtype (no biases)."""
+    def _sparse_layer(self, layer: int, what: str) -> Mapping[str, np.ndarray | None]:
+        """Layer ``layer``'s weights, or ``ValueError`` naming it when it is not a sparse layer."""
+        c = self.config
+        if not 0 <= layer < c.num_hidden_layers or not c.is_sparse(layer):
+            sparse = [i for i in range(c.num_hidden_layers) if c.is_sparse(i)]
+            raise ValueError(f"layer {layer!r} has no {what} (the sparse layers are {sparse})")
+        return self._layers[layer]
+
+    def _swiglu(self, x: np.ndarray, wg: np.ndarray, wu: np.ndarray, wd: np.ndarray, bg: np.ndarray | None = None,
+                bu: np.ndarray | None = None, bd: np.ndarray | None = None) -> np.ndarray:
+        """``down(silu(gate(x)) * up(x))`` (biases optional) in float64, each step rounded to the dtype."""
+        return self._linear(self._gated(self._linear(x, wg, bg), self._linear(x, wu, bu)), wd, bd)
+
+    def _gated(self, g: np.ndarray, u: np.ndarray) -> np.ndarray:
+        """``silu(g) * u``: the SiLU rounded to the dtype, then the product rounded to it."""
         dt = self.dtype
-        g = self._linear(x, wg, None).astype(_ACC)
-        u = self._linear(x, wu, None).astype(_ACC)
-        return self._linear((_silu(g).astype(dt).astype(_ACC) * u).astype(dt), wd, None)
+        return (_silu(g.astype(_ACC)).astype(dt).astype(_ACC) * u.astype(_ACC)).astype(dt)
 
     def _moe(self, li: int, x: np.ndarray) -> np.ndarray:
         """The sparse block of layer ``li``: routed experts, weighted, summed in ascending expert id."""
@@ -594,17 +601,11 @@ class Decoder:
         """The MLP of layer ``li``: SwiGLU ``down_proj(silu(gate_proj(x)) * up_proj(x))``, or the sparse block."""
         if self.config.is_sparse(li):
             return self._moe(li, x)
+        if self._q4 is None:
+            return self._swiglu(x, L["wg"], L["wu"], L["wd"], L["bg"], L["bu"], L["bd"])
         dt = self.dtype
-        if self._q4 is None:
-            g = self._linear(x, L["wg"], L["bg"])
-            u = self._linear(x, L["wu"], L["bu"])
-        else:
-            g, u = self._q4[li]["gate_up"](x, (L["bg"], L["bu"]), dt)
-        g, u = g.astype(_ACC), u.astype(_ACC)
-        mlp = (_silu(g).astype(dt).astype(_ACC) * u).astype(dt)
-        if self._q4 is None:
-            return self._linear(mlp, L["wd"], L["bd"])
-        (d,) = self._q4[li]["down"](mlp, (L["bd"],), dt)
+        g, u = self._q4[li]["gate_up"](x, (L["bg"], L["bu"]), dt)
+        (d,) = self._q4[li]["down"](self._gated(g, u), (L["bd"],), dt)
         return d
 
 
