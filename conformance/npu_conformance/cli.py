@@ -178,7 +178,7 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
             Path(args.hf_dir), Path(args.out), max_batch_size=args.max_batch_size,
             max_cache_size=args.max_cache_size, max_width=args.max_width, core_mode=args.core_mode,
             prefill_chunk_size=_parse_chunk(args.prefill_chunk_size), output_logits=args.output_logits,
-            memory_flexible=not args.memory_fixed, hub_proxy=args.hub_proxy,
+            memory_flexible=not args.memory_fixed, hub_proxy=args.hub_proxy, moe=_moe_options(args),
         )
     except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
         print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
@@ -186,8 +186,18 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
     except NotImplementedError as exc:
         print(f"npu-harness mxq compile: not built: {exc}", file=sys.stderr)
         return 2
-    print(f"MXQ artifact written to {path} (model.mxq, config.json, model.safetensors)")
+    moe = (path / "mxq" / "lm_head.mxq").is_file()
+    print(f"MXQ artifact written to {path} ({'Mixture-of-Experts release: mxq/' if moe else 'model.mxq'}, "
+          "config.json, model.safetensors)")
     return 0
+
+
+def _moe_options(args: argparse.Namespace) -> dict:
+    """The ``--moe-*`` flags given, as ``compile_artifact``'s ``moe`` options."""
+    given = {"devices": args.moe_devices, "packed": False if args.moe_unpacked else None,
+             "last_only": True if args.moe_last_only else None,
+             "declare_output_order": True if args.moe_declare_output_order else None}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _cmd_rbln_architectures(args: argparse.Namespace) -> int:
@@ -367,6 +377,15 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("--hub-proxy", action="store_true",
                       help="also write the Hub releases' auto_map + proxy_<family>.py (transformers-mblt classes), "
                            "for --trust-remote-code in vllm-mblt's own environment")
+    moe = comp.add_argument_group("Mixture-of-Experts release (a qwen3_moe checkpoint)")
+    moe.add_argument("--moe-devices", type=int, default=None, metavar="N",
+                     help="cards of the default placement (default 3, as the release: shared MXQs round-robin, "
+                          "experts on every core, lm_head on 'N-1:0:0')")
+    moe.add_argument("--moe-unpacked", action="store_true", help="one file per MXQ instead of per-layer packs")
+    moe.add_argument("--moe-last-only", action="store_true",
+                     help="the last layer's shared MXQ emits only the last token")
+    moe.add_argument("--moe-declare-output-order", action="store_true",
+                     help="write moe_shared_output_order to config.json (else found by shape and scale)")
     comp.set_defaults(func=_cmd_mxq_compile)
 
     rbln = sub.add_parser("rbln", help="Rebellions RBLN plugin (vllm_npu.rbln): architectures, AOT compile")

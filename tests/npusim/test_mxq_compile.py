@@ -61,14 +61,6 @@ def test_unsupported_model_type(mxq_hf_dir, tmp_path):
         compile_artifact(src, tmp_path / "art")
 
 
-def test_moe_release_layout_is_not_built_yet(tiny_model_dir, tmp_path):
-    """A qwen3_moe checkpoint (which the golden decoder computes) is refused with
-    NotImplementedError naming issue 13, before anything is written: never compiled as a dense model."""
-    with pytest.raises(NotImplementedError, match=r"qwen3_moe \(Mixture-of-Experts\).*is issue 13"):
-        compile_artifact(tiny_model_dir("qwen3_moe"), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_batch_mxq_width_is_the_128_token_batch_limit(tmp_path):
     """A batch MXQ (K > 1) is 128 wide by default even when its config advertises bigger
     chunks (the plugin clamps those to 128), and cannot be compiled wider."""

@@ -102,24 +102,20 @@ def test_scale_is_a_settable_value_as_in_qbruntime():
         s[1]
 
 
-def test_advanced_names_exist_with_real_signatures_and_name_the_issue(mxq_machine, mxq_artifact):
-    """The names transformers-mblt's MoE and advanced paths use exist, and say they are not
-    built (issue 20 §1): a clear NotImplementedError, never an AttributeError."""
+def test_unsimulated_advanced_names_exist_with_real_signatures(mxq_machine, mxq_artifact):
+    """The buffer, pinned-memory and async names no vendor path calls exist and say they are not
+    simulated: a clear NotImplementedError, never an AttributeError. NPUData is real: it cannot be
+    constructed directly (as qbruntime's), only acquired from a Model (test_mxq_npu_data.py)."""
     import inspect
 
-    for cls, args in ((qb.Buffer, ()), (qb.NPUData, ()), (qb.PinnedMemory, ()), (qb.Future, ())):
-        with pytest.raises(NotImplementedError, match=r"issue 13"):
-            cls(*args)
-    data = object.__new__(qb.NPUData)  # no NPUData can be built; its members say why too
-    for name, call in (("launch", lambda: data.launch(None)), ("cpu", data.cpu),
-                       ("copy_from", lambda: data.copy_from(data)), ("__getitem__", lambda: data[0]),
-                       ("__setitem__", lambda: data.__setitem__(0, 1)), ("__len__", lambda: len(data)),
-                       ("shape", lambda: data.shape)):
-        with pytest.raises(NotImplementedError, match=rf"NPUData\.{name} .*issue 13"):
-            call()
+    for cls in (qb.Buffer, qb.PinnedMemory, qb.Future):
+        with pytest.raises(NotImplementedError, match=r"is not simulated by npusim\.mxq"):
+            cls()
+    with pytest.raises(TypeError, match=r"use Model\.acquire_input_npu_data"):
+        qb.NPUData()
     m = qb.Model(str(mxq_artifact()))
     assert list(inspect.signature(m.acquire_input_npu_data).parameters) == ["shape", "idx", "upload", "dtype"]
-    for call in (m.get_input_scale, m.infer_speedrun, lambda: m.infer_npu_data([]), lambda: m.infer_buffer([], []),
-                 lambda: m.acquire_input_buffer(), lambda: m.infer_async_to_float([])):
-        with pytest.raises(NotImplementedError, match=r"qbruntime Model\.\w+ is not simulated .*issue 13"):
+    for call in (m.infer_speedrun, lambda: m.infer_buffer([], []), lambda: m.acquire_input_buffer(),
+                 lambda: m.infer_async_to_float([]), lambda: m.infer_npu_data_chw([])):
+        with pytest.raises(NotImplementedError, match=r"qbruntime Model\.\w+ is not simulated by npusim\.mxq"):
             call()

@@ -64,7 +64,7 @@ from .qlinear import FusedQ4Linear, UnsupportedLinearError, check_linear_kind
 from .rope import apply_rope
 from .safetensors import load_safetensors
 
-__all__ = ["Decoder", "expected_tensor_shapes"]
+__all__ = ["Decoder", "checked_weights", "expected_tensor_shapes"]
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -131,6 +131,26 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 _ACC = np.float64  # evaluation precision of every operation
 
 
+def checked_weights(shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, np.ndarray], dtype: np.dtype,
+                    source: str) -> dict[str, np.ndarray]:
+    """The tensors ``shapes`` names, each checked and rounded to ``dtype``, held as float64.
+
+    Raises:
+        CheckpointError: a tensor is missing, has another shape (both named) or is not numeric.
+    """
+    w: dict[str, np.ndarray] = {}
+    for name, shape in shapes.items():
+        if name not in weights:
+            raise CheckpointError(f"{source}: missing tensor {name!r} (expected shape {shape})")
+        arr = np.asarray(weights[name])
+        if arr.shape != shape:
+            raise CheckpointError(f"{source}: tensor {name!r} has shape {arr.shape} but the config implies {shape}")
+        if arr.dtype.kind not in "fiu":
+            raise CheckpointError(f"{source}: tensor {name!r} has non-numeric dtype {arr.dtype}")
+        w[name] = np.ascontiguousarray(arr, dtype=dtype).astype(_ACC)
+    return w
+
+
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float, dtype: np.dtype) -> np.ndarray:
     """RMSNorm over the last axis (float64), normalised value rounded to ``dtype``, scaled by ``weight``, rounded."""
     xc = x.astype(_ACC)
@@ -182,46 +202,11 @@ class Decoder:
             raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
         self.config = config
         self.dtype = dt
-        w: dict[str, np.ndarray] = {}
-        for name, shape in expected_tensor_shapes(config).items():
-            if name not in weights:
-                raise CheckpointError(f"{source}: missing tensor {name!r} (expected shape {shape})")
-            arr = np.asarray(weights[name])
-            if arr.shape != shape:
-                raise CheckpointError(
-                    f"{source}: tensor {name!r} has shape {arr.shape} but the config implies {shape}"
-                )
-            if arr.dtype.kind not in "fiu":
-                raise CheckpointError(f"{source}: tensor {name!r} has non-numeric dtype {arr.dtype}")
-            # round to the decoder dtype, keep a float64 copy for evaluation
-            w[name] = np.ascontiguousarray(arr, dtype=dt).astype(_ACC)
+        w = checked_weights(expected_tensor_shapes(config), weights, dt, source)
         self._embed = np.ascontiguousarray(weights["model.embed_tokens.weight"], dtype=dt)
         self._lm_head = w["model.embed_tokens.weight"] if config.tie_word_embeddings else w["lm_head.weight"]
         self._final_norm = w["model.norm.weight"]
-        self._layers: list[dict[str, np.ndarray | None]] = []
-        for i in range(config.num_hidden_layers):
-            p = f"model.layers.{i}."
-            norms = {site: (None if name is None else w[p + name + ".weight"]) for site, name in _NORM_SITES[config.norm_layout].items()}
-            if config.is_sparse(i):
-                experts = [f"{p}mlp.experts.{e}." for e in range(config.num_experts)]
-                mlp = {
-                    "router": w[p + "mlp.gate.weight"],
-                    "ewg": np.stack([w[x + "gate_proj.weight"] for x in experts]),
-                    "ewu": np.stack([w[x + "up_proj.weight"] for x in experts]),
-                    "ewd": np.stack([w[x + "down_proj.weight"] for x in experts]),
-                }
-            else:
-                mlp = _projections(w, p, {"g": "mlp.gate_proj", "u": "mlp.up_proj", "d": "mlp.down_proj"})
-            self._layers.append(
-                {
-                    **norms,
-                    **_projections(w, p, {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
-                                          "o": "self_attn.o_proj"}),
-                    "qn": w.get(p + "self_attn.q_norm.weight"),
-                    "kn": w.get(p + "self_attn.k_norm.weight"),
-                    **mlp,
-                }
-            )
+        self._layers: list[dict[str, np.ndarray | None]] = [self._load_layer(i, w) for i in range(config.num_hidden_layers)]
         # linear="q4x32": per layer, the fused GEMMs quantized once (vLLM's fusion and order)
         self._q4: list[dict[str, FusedQ4Linear]] | None = None
         if self.linear == "q4x32":
@@ -236,6 +221,30 @@ class Decoder:
                         "down": FusedQ4Linear([L["wd"]], ["down_proj"], source=src),
                     }
                 )
+
+    def _load_layer(self, i: int, w: Mapping[str, np.ndarray], *, experts: bool = True) -> dict[str, np.ndarray | None]:
+        """Layer ``i``'s weights from ``w`` (float64 copies) under the names the evaluation uses;
+        ``experts=False`` leaves a sparse layer's experts out (its router stays)."""
+        c = self.config
+        p = f"model.layers.{i}."
+        norms = {site: (None if name is None else w[p + name + ".weight"]) for site, name in _NORM_SITES[c.norm_layout].items()}
+        if c.is_sparse(i):
+            mlp: dict[str, np.ndarray | None] = {"router": w[p + "mlp.gate.weight"]}
+            if experts:
+                names = [f"{p}mlp.experts.{e}." for e in range(c.num_experts)]
+                mlp.update(ewg=np.stack([w[x + "gate_proj.weight"] for x in names]),
+                           ewu=np.stack([w[x + "up_proj.weight"] for x in names]),
+                           ewd=np.stack([w[x + "down_proj.weight"] for x in names]))
+        else:
+            mlp = _projections(w, p, {"g": "mlp.gate_proj", "u": "mlp.up_proj", "d": "mlp.down_proj"})
+        return {
+            **norms,
+            **_projections(w, p, {"q": "self_attn.q_proj", "k": "self_attn.k_proj", "v": "self_attn.v_proj",
+                                  "o": "self_attn.o_proj"}),
+            "qn": w.get(p + "self_attn.q_norm.weight"),
+            "kn": w.get(p + "self_attn.k_norm.weight"),
+            **mlp,
+        }
 
     @classmethod
     def from_pretrained(cls, model_dir: str | os.PathLike, dtype: np.dtype | type = np.float32, *, linear: str = "float") -> Decoder:
@@ -484,13 +493,14 @@ class Decoder:
         return (h.astype(_ACC) + out).astype(self.dtype)
 
     def _attention(self, li: int, L: Mapping[str, np.ndarray | None], x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                   segments: list[tuple[int, KVCache, int, int]]) -> np.ndarray:
+                   segments: list[tuple[int, KVCache, int, int]], kv_layer: int | None = None) -> np.ndarray:
         """Self-attention of layer ``li`` over ``x`` ``[n_tok, hidden]``, through ``o_proj``.
 
         ``segments``: per sequence ``(row offset in x, cache, cache length before, rows)``. Writes
         the new keys (after q/k norm and RoPE, as transformers caches them) and values into
-        each cache (not advanced here).
+        each cache (not advanced here), at the cache's layer ``kv_layer`` (default ``li``).
         """
+        kv = li if kv_layer is None else kv_layer
         c, dt = self.config, self.dtype
         n_tok = x.shape[0]
         hd, nh, nkv, groups = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups
@@ -513,10 +523,10 @@ class Decoder:
         scale = c.attention_scale
         attn = np.empty((n_tok, nh, hd), dtype=dt)
         for s, cache, start, n in segments:
-            cache.write(li, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
+            cache.write(kv, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
             total = start + n
-            keys = cache.keys[li][:, :total].astype(_ACC)  # [nkv, S, hd]
-            vals = cache.values[li][:, :total].astype(_ACC)
+            keys = cache.keys[kv][:, :total].astype(_ACC)  # [nkv, S, hd]
+            vals = cache.values[kv][:, :total].astype(_ACC)
             qs = q[s : s + n].astype(_ACC).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
             scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
             scores = np.where(_attention_mask(start, n, window), -np.inf, scores)

@@ -13,17 +13,19 @@ Modules: :mod:`~npusim.mxq.types` (enums, value classes), :mod:`~npusim.mxq.erro
 :mod:`~npusim.mxq.machine` (simulated cards, clock, costs, faults; env ``NPUSIM_MXQ``),
 :mod:`~npusim.mxq.accelerator`, :mod:`~npusim.mxq.model`, :mod:`~npusim.mxq.mxqfile` (our
 ``.mxq`` format, ``FORMAT.md``), :mod:`~npusim.mxq.tracing`, :mod:`~npusim.mxq.compile`
-(``compile_artifact``, behind ``npu-harness mxq compile``), :mod:`~npusim.mxq.advanced` (the
-buffer / NPU-data / scale / async names, real signatures, ``NotImplementedError`` until issue 13).
+(``compile_artifact``, behind ``npu-harness mxq compile``), :mod:`~npusim.mxq.npu_data`
+(``NPUData``, the Mixture-of-Experts path's host/card tensors), :mod:`~npusim.mxq.advanced` (the
+buffer / pinned-memory / async names, real signatures, ``NotImplementedError``; ``Scale``).
 """
 
 from __future__ import annotations
 
 from .accelerator import Accelerator, get_available_device_numbers, get_available_devices
-from .advanced import Buffer, Future, NPUData, PinnedMemory, Scale
+from .advanced import Buffer, Future, PinnedMemory, Scale
 from .config import ModelConfig
 from .errors import QbRuntimeError, set_log_threshold
 from .model import Model, ModelVariantHandle, get_model_summary, load
+from .npu_data import NPUData
 from .tracing import start_tracing_events, stop_tracing_events
 from .types import (
     BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, Core, CoreAllocationPolicy, CoreId, CoreMode, DataType, LogLevel,

@@ -1,24 +1,26 @@
-"""qbruntime 1.5.0's buffer, NPU-data, pinned-memory, scale and async names, with the real
-signatures, not simulated yet (``Scale``, a plain value, is).
+"""qbruntime 1.5.0's buffer, pinned-memory and async names, with the real signatures, not
+simulated; and ``Scale``, a plain value.
 
-vllm-mblt's text path never calls them; transformers-mblt's MoE and advanced paths do
-(``get_input_scale``/``Scale``, ``acquire_*_npu_data``, ``infer_npu_data``, ``Buffer``,
-``Future``, ``NPUData``, ``PinnedMemory``, ``infer_buffer``). Each raises
-:class:`NotImplementedError` naming the issue that will build it, so a caller finds out at the
-first call, with the name, rather than through a missing attribute. Signatures are those of the
+Neither vllm-mblt nor transformers-mblt's text and Mixture-of-Experts paths call them (the MoE
+path's NPU-data and scale API is simulated: :mod:`npusim.mxq.npu_data`, ``Model.infer_npu_data``,
+``Model.get_input_scale``). Each raises :class:`NotImplementedError` with its name, so a caller
+finds out at the first call rather than through a missing attribute. Signatures are those of the
 real module's Python layer (read from the ``mobilint-qb-runtime`` 1.5.0 wheel).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["PENDING", "AdvancedModelApi", "Buffer", "Future", "NPUData", "PinnedMemory", "Scale"]
+if TYPE_CHECKING:
+    from .npu_data import NPUData
 
-#: Why these are not built, and where they will be.
-PENDING = ("is not simulated by npusim.mxq yet: the buffer, NPU-data, pinned-memory, scale and "
-           "async APIs come with the Mobilint MoE work (issue 13)")
+__all__ = ["PENDING", "AdvancedModelApi", "Buffer", "Future", "PinnedMemory", "Scale"]
+
+#: Why these are not built.
+PENDING = ("is not simulated by npusim.mxq: neither vllm-mblt nor transformers-mblt's text and "
+           "Mixture-of-Experts paths call it, and no open issue asks for it (docs/mblt.md)")
 
 
 def _pending(name: str) -> NotImplementedError:
@@ -29,8 +31,8 @@ def _pending(name: str) -> NotImplementedError:
 class Scale:
     """Quantisation scale of an MXQ input or output: ``Scale(scale, is_uniform, scale_list,
     zero_point=0, is_asymmetric=False, zero_points=None)``. A plain value (every field
-    settable, as in qbruntime); ``scale[i]`` is ``scale_list[i]``. The simulator's MXQs have no
-    quantised inputs, so no Model returns one yet (``Model.get_input_scale`` is issue 13)."""
+    settable, as in qbruntime); ``scale[i]`` is ``scale_list[i]``. ``Model.get_input_scale`` and
+    ``get_output_scale`` return uniform ones (``npu_data`` module docstring: what they mean)."""
 
     scale: float
     is_uniform: bool
@@ -52,65 +54,18 @@ class Buffer:
     """``Buffer()``: a device buffer from ``Model.acquire_input_buffer``.
 
     Raises:
-        NotImplementedError: always (issue 13).
+        NotImplementedError: always (not simulated).
     """
 
     def __init__(self, _buffer: Any = None) -> None:
         raise _pending("Buffer")
 
 
-class NPUData:
-    """Device-resident tensor from ``Model.acquire_input_npu_data``: ``launch(acc)``, ``cpu()``,
-    ``copy_from(src)``, ``data[key]`` (read and write, host side), ``len``, ``shape``, ``dtype``,
-    ``dev_no``, ``hardware_name``, as in qbruntime.
-
-    Raises:
-        NotImplementedError: on construction and every member (issue 13).
-    """
-
-    def __init__(self, _npu_data: Any = None) -> None:
-        raise _pending("NPUData")
-
-    def launch(self, acc: Any) -> None:
-        raise _pending("NPUData.launch")
-
-    def cpu(self) -> None:
-        raise _pending("NPUData.cpu")
-
-    def copy_from(self, src: NPUData) -> None:
-        raise _pending("NPUData.copy_from")
-
-    def __getitem__(self, key: Any) -> Any:
-        raise _pending("NPUData.__getitem__")
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        raise _pending("NPUData.__setitem__")
-
-    def __len__(self) -> int:
-        raise _pending("NPUData.__len__")
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        raise _pending("NPUData.shape")
-
-    @property
-    def dtype(self) -> Any:
-        raise _pending("NPUData.dtype")
-
-    @property
-    def dev_no(self) -> int:
-        raise _pending("NPUData.dev_no")
-
-    @property
-    def hardware_name(self) -> str:
-        raise _pending("NPUData.hardware_name")
-
-
 class PinnedMemory:
     """Host pinned memory from ``Accelerator.allocate_pinned_memory`` (Regulus only).
 
     Raises:
-        NotImplementedError: always (issue 13).
+        NotImplementedError: always (not simulated).
     """
 
     def __init__(self, _pinned_memory: Any = None) -> None:
@@ -121,7 +76,7 @@ class Future:
     """The result of ``Model.infer_async_to_float``.
 
     Raises:
-        NotImplementedError: always (issue 13).
+        NotImplementedError: always (not simulated).
     """
 
     def __init__(self, _future: Any = None, _inputs: Any = None) -> None:
@@ -129,14 +84,8 @@ class Future:
 
 
 class AdvancedModelApi:
-    """``Model`` methods of the real module that the simulator does not run yet; each raises
-    :class:`NotImplementedError` naming issue 13."""
-
-    def get_input_scale(self) -> list[Scale]:
-        raise _pending("Model.get_input_scale")
-
-    def get_output_scale(self) -> list[Scale]:
-        raise _pending("Model.get_output_scale")
+    """``Model`` methods of the real module that the simulator does not run; each raises
+    :class:`NotImplementedError` with its name."""
 
     def acquire_input_buffer(self, seqlens: list[list[int]] | None = None) -> list[Buffer]:
         raise _pending("Model.acquire_input_buffer")
@@ -165,18 +114,6 @@ class AdvancedModelApi:
     def infer_pinned_memory(self, inputs: list[PinnedMemory], outputs: list[PinnedMemory] | None = None,
                             cache_size: int = 0) -> list[PinnedMemory] | None:
         raise _pending("Model.infer_pinned_memory")
-
-    def acquire_input_npu_data(self, shape: list[int], idx: int = 0, upload: bool = False,
-                               dtype: Any = None) -> NPUData:
-        raise _pending("Model.acquire_input_npu_data")
-
-    def acquire_output_npu_data(self, shape: list[int], idx: int = 0, upload: bool = False,
-                                dtype: Any = None) -> NPUData:
-        raise _pending("Model.acquire_output_npu_data")
-
-    def infer_npu_data(self, inputs: list[NPUData], outputs: list[NPUData] | None = None,
-                       cache_size: int = 0) -> list[NPUData] | None:
-        raise _pending("Model.infer_npu_data")
 
     def infer_npu_data_chw(self, inputs: list[NPUData], outputs: list[NPUData] | None = None,
                            cache_size: int = 0) -> list[NPUData] | None:

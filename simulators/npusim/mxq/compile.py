@@ -6,6 +6,8 @@ Output directory::
     model.mxq          the simulator's MXQ (FORMAT.md): decoder config + all decoder weights
     model.safetensors  only model.embed_tokens.weight (the host-side embedding, as Mobilint ships)
     tokenizer files and generation_config.json copied from the HF directory (those present)
+
+A qwen3_moe checkpoint becomes a Mixture-of-Experts release instead (:mod:`npusim.mxq.compile_moe`).
 """
 
 from __future__ import annotations
@@ -36,14 +38,10 @@ RELEASE_TYPES: dict[str, tuple[str, str]] = {
     "hyperclovax": ("mobilint-llama", "MobilintLlamaForCausalLM"),
 }
 #: Model types the golden decoder computes whose release layout ``mxq compile`` does not write yet,
-#: with the message it raises (``NotImplementedError``).
-NOT_BUILT_RELEASES: dict[str, str] = {
-    "qwen3_moe": (
-        "mxq compile of a qwen3_moe (Mixture-of-Experts) checkpoint is not built yet: the MoE release "
-        "layout (one shared MXQ per layer with attention and its KV, the expert MXQs, an lm_head MXQ, "
-        "host-side top-k routing) is issue 13; the golden decoder computes the model already"
-    ),
-}
+#: with the message it raises (``NotImplementedError``). Empty: every such type has a layout.
+NOT_BUILT_RELEASES: dict[str, str] = {}
+#: Model types written as a Mixture-of-Experts release (:mod:`npusim.mxq.compile_moe`).
+MOE_TYPES: tuple[str, ...] = ("qwen3_moe",)
 COPIED_FILES: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
@@ -111,11 +109,18 @@ def compile_artifact(
     output_logits: str = "last",
     memory_flexible: bool = True,
     hub_proxy: bool = False,
+    moe: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
 
+    A qwen3_moe checkpoint becomes a Mixture-of-Experts release
+    (:func:`npusim.mxq.compile_moe.compile_moe_release`, given ``moe``'s keyword arguments):
+    its MXQs are single-core, batch 1 and memory-flexible, and emit the last position's logits,
+    so ``max_batch_size``, ``core_mode``, ``output_logits`` and ``memory_flexible`` must keep
+    their defaults.
+
     Args:
-        hf_dir: an HF model directory (config.json + safetensors) of a llama, qwen2, qwen3, exaone4 or hyperclovax model (:data:`RELEASE_TYPES`).
+        hf_dir: an HF model directory (config.json + safetensors) of a llama, qwen2, qwen3, exaone4 or hyperclovax model (:data:`RELEASE_TYPES`), or of a qwen3_moe model (:data:`MOE_TYPES`).
         out_dir: destination (created; our files overwritten).
         max_batch_size: K, cache ids per Model (>= 1; > 1 needs core_mode single or auto).
         max_cache_size: T, KV capacity in tokens per cache id; default
@@ -132,6 +137,8 @@ def compile_artifact(
         memory_flexible: whether the MXQ may share an explicitly named core with other
             memory-flexible models (the current compiler's default). False stands for an MXQ of an
             older compiler, whose second launch on a taken core raises ``Acc_CoreAlreadyInUse``.
+        moe: options of a Mixture-of-Experts release (ignored for dense checkpoints; a dense
+            checkpoint given any raises ValueError).
         hub_proxy: also write the Hub releases' remote-code entry: ``auto_map`` in config.json
             and ``proxy_<family>.py`` re-exporting transformers-mblt's classes, so
             ``--trust-remote-code`` resolves the Mobilint model type in an environment that has
@@ -144,7 +151,7 @@ def compile_artifact(
         ValueError: a value outside its rule (the value and the rule are named), an
             unsupported model_type.
         NotImplementedError: a model type whose release layout is not built yet
-            (:data:`NOT_BUILT_RELEASES`: qwen3_moe, issue 13).
+            (:data:`NOT_BUILT_RELEASES`, empty today).
         CheckpointError / UnsupportedModelError: the checkpoint cannot be read by the golden decoder.
     """
     src, out = Path(hf_dir), Path(out_dir)
@@ -161,6 +168,20 @@ def compile_artifact(
         raise ValueError(f"{src} has no config.json (expected a Hugging Face model directory)")
     if raw.get("model_type") in NOT_BUILT_RELEASES:
         raise NotImplementedError(NOT_BUILT_RELEASES[raw["model_type"]])
+    if raw.get("model_type") in MOE_TYPES:
+        fixed = {"max_batch_size": (k, 1), "core_mode": (core_mode, "single"), "output_logits": (output_logits, "last"),
+                 "memory_flexible": (memory_flexible, True)}
+        for name, (value, only) in fixed.items():
+            if value != only:
+                raise ValueError(f"{name}={value!r}: a Mixture-of-Experts release supports only {name}={only!r} "
+                                 "(its MXQs are single-core, batch 1, memory-flexible and emit the last logits)")
+        from .compile_moe import compile_moe_release
+
+        return compile_moe_release(src, out, max_cache_size=max_cache_size, max_width=max_width,
+                                   prefill_chunk_size=prefill_chunk_size, hub_proxy=hub_proxy, **dict(moe or {}))
+    if moe:
+        raise ValueError(f"Mixture-of-Experts options {sorted(moe)} given for model_type {raw.get('model_type')!r}, "
+                         f"which is not one of {', '.join(MOE_TYPES)}")
     if raw.get("model_type") not in RELEASE_TYPES:
         raise ValueError(f"model_type {raw.get('model_type')!r} must be one of {', '.join(RELEASE_TYPES)}")
     cfg = load_config(src)

@@ -23,6 +23,11 @@ field                  default    meaning
 ``infer_fail_after``   null       int n >= 0: after n successful infers, the next ones fail
 ``infer_fail_times``   1          how many infers fail once ``infer_fail_after`` is reached
 ``infer_fail_status``  InternalError  status of an injected infer failure
+``expert_finish_jitter_us`` 500   an MoE expert MXQ's ``infer_npu_data`` returns after a random
+                                  wall-clock wait of 0 .. this many µs, so experts run in parallel
+                                  finish in a varying order, as on the board (the seed: greedy
+                                  output can differ run to run because the expert outputs are
+                                  added in the order they finish); 0 turns it off
 =====================  =========  ==============================================================
 
 Costs are numbers >= 0. Counters of the faults (launches, successful infers, injected failures)
@@ -103,10 +108,12 @@ class Settings:
     infer_fail_after: int | None = None
     infer_fail_times: int = 1
     infer_fail_status: str = "InternalError"
+    expert_finish_jitter_us: float = 500
 
 
 _FIELDS = {f.name for f in fields(Settings)}
-_COSTS = ("infer_fixed_us", "infer_us_per_token", "io_fixed_us", "dump_us_per_kib", "load_us_per_kib")
+_COSTS = ("infer_fixed_us", "infer_us_per_token", "io_fixed_us", "dump_us_per_kib", "load_us_per_kib",
+          "expert_finish_jitter_us")
 
 
 def _is_int(v: Any) -> bool:

@@ -23,6 +23,7 @@ import hashlib
 import itertools
 import json
 import os
+import random
 import sys
 import time
 from collections.abc import Sequence
@@ -39,7 +40,9 @@ from .accelerator import Accelerator
 from .config import ModelConfig
 from .errors import fail
 from .mxqfile import MxqFormatError, read_mxq
-from .advanced import AdvancedModelApi
+from ..llm.moe_parts import DecoderPart
+from .advanced import AdvancedModelApi, Scale
+from .npu_data import NPUData
 from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
 
 __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
@@ -47,6 +50,12 @@ __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
 CORE_MODE_NAMES: dict[str, CoreMode] = {
     "single": CoreMode.Single, "multi": CoreMode.Multi, "global4": CoreMode.Global4, "global8": CoreMode.Global8,
 }
+#: MXQ kinds (header ``kind``; FORMAT.md) and the names of their outputs, in the default order.
+KIND_OUTPUTS: dict[str, tuple[str, ...]] = {
+    "decoder": ("logits",), "moe_shared": ("residual", "expert_in", "gate"), "moe_expert": ("hidden",),
+    "lm_head": ("logits",),
+}
+MXQ_KINDS: tuple[str, ...] = tuple(KIND_OUTPUTS)
 _ids = itertools.count(1)
 _SRC = "model.cc"
 
@@ -112,13 +121,24 @@ class Model(AdvancedModelApi):
             header, tensors = read_mxq(path)
             self._header = _check_header(header)
             cfg = LlmConfig.from_dict(header["llm_config"])
-            self._decoder = Decoder(cfg, tensors, np.float32, source=self._path)
-        except (MxqFormatError, CheckpointError, UnsupportedModelError) as exc:
+            self._kind: str = header.get("kind", "decoder")
+            self._decoder: Decoder | None = None
+            self._part: DecoderPart | None = None
+            if self._kind == "decoder":
+                self._decoder = Decoder(cfg, tensors, np.float32, source=self._path)
+            else:
+                self._part = DecoderPart(cfg, tensors, self._kind, layer=header.get("layer"),
+                                         expert=header.get("expert"), source=self._path)
+        except (MxqFormatError, CheckpointError, UnsupportedModelError, ValueError) as exc:
             # as the real core: the reason as a plain stderr line, then one glog line
             sys.stderr.write(f"Unable to load; {exc}\n")
             sys.stderr.flush()
             raise fail("Model_FailedToLoadMXQ", "Failed to load model.", "model_impl.cc:1219") from None
         self._cfg = cfg
+        self._outputs: list[str] = list(header.get("outputs", KIND_OUTPUTS[self._kind]))
+        self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0])]
+        self._out_scales: list[float] = [float(v) for v in header.get("output_scales", [1.0] * len(self._outputs))]
+        self._last_only = bool(header.get("last_only", False))
         self.K = int(header["max_batch_size"])
         self.T = int(header["max_cache_size"])
         self.W = int(header["max_width"])
@@ -137,10 +157,11 @@ class Model(AdvancedModelApi):
                        "model.cc:201")
         sig = json.dumps([header["llm_config"], self.K, self.T, self.W], sort_keys=True).encode()
         layer_bytes = 2 * cfg.num_key_value_heads * self.T * cfg.head_dim * 4
+        kv_layers = {"decoder": range(cfg.num_hidden_layers), "moe_shared": [header.get("layer")]}.get(self._kind, [])
         self._infos = [
             CacheInfo(CacheType.Batch if self.K > 1 else CacheType.Default, f"layer{i}.kv",
                       hashlib.sha256(sig + f"/layer{i}".encode()).hexdigest()[:16], layer_bytes, self.K)
-            for i in range(cfg.num_hidden_layers)
+            for i in kv_layers
         ]
         self.get_model_input_shape()
         self.get_model_output_shape()
@@ -276,24 +297,50 @@ class Model(AdvancedModelApi):
         return ModelVariantHandle(self, 0)
 
     def get_model_input_shape(self) -> list[tuple[int, ...]]:
-        """``[(1, -1, hidden)]``: -1 is the dynamic token axis."""
-        return [(1, -1, self._cfg.hidden_size)]
+        """``[(1, -1, hidden)]``: -1 is the dynamic token axis (``(1, 1, hidden)`` for an lm_head MXQ)."""
+        return [(1, 1 if self._kind == "lm_head" else -1, self._cfg.hidden_size)]
 
     def get_model_output_shape(self) -> list[tuple[int, ...]]:
-        """``[(1, 1, vocab)]`` for last-logit non-batch artifacts, else ``[(1, -1, vocab)]``."""
-        rows = 1 if (not self._all_logits and self.K == 1) else -1
-        return [(1, rows, self._cfg.vocab_size)]
+        """Decoder MXQs: ``[(1, 1, vocab)]`` for last-logit non-batch artifacts, else
+        ``[(1, -1, vocab)]``. MoE MXQs: one shape per output (``-1`` the dynamic token axis, 1 on
+        a last-only shared MXQ; channels ``hidden``, ``num_experts`` for the router gate, ``vocab``
+        for the lm_head)."""
+        if self._kind == "decoder":
+            rows = 1 if (not self._all_logits and self.K == 1) else -1
+            return [(1, rows, self._cfg.vocab_size)]
+        rows = 1 if (self._last_only or self._kind == "lm_head") else -1
+        return [(1, rows, self._channels(name)) for name in self._outputs]
+
+    def _channels(self, output: str) -> int:
+        c = self._cfg
+        return {"gate": c.num_experts, "logits": c.vocab_size}.get(output, c.hidden_size)
 
     def get_input_buffer_info(self) -> list[BufferInfo]:
-        """``max_width`` = W tokens per item per call, ``max_cache_size`` = T tokens per cache id."""
+        """``max_width`` = W tokens per item per call, ``max_cache_size`` = T tokens per cache id (0 without KV)."""
         h = self._cfg.hidden_size
-        return [_buffer_info(1, self.W, h, self.T)]
+        return [_buffer_info(1, self.W, h, self.T if self._infos else 0)]
 
     def get_output_buffer_info(self) -> list[BufferInfo]:
-        """``max_width``: W for full logits, K for last-logit batch artifacts, else 1."""
+        """``max_width``: W for full logits, K for last-logit batch artifacts, else 1 (MoE MXQs:
+        W per output, 1 when last-only)."""
+        if self._kind != "decoder":
+            rows = 1 if (self._last_only or self._kind == "lm_head") else self.W
+            return [_buffer_info(1, rows, self._channels(n), 0) for n in self._outputs]
         w = self.W if self._all_logits else (self.K if self.K > 1 else 1)
         v = self._cfg.vocab_size
         return [_buffer_info(1, w, v, 0)]
+
+    # ------------------------------------------------------------------ quantisation scales
+    def get_input_scale(self) -> list[Scale]:
+        """One uniform :class:`Scale` per input: the quantisation multiplier (``raw = real * scale``).
+        Decoder MXQs report 1.0 (their float32 inputs are not quantised by the simulator)."""
+        return [Scale(s, True, [s]) for s in self._in_scales]
+
+    def get_output_scale(self) -> list[Scale]:
+        """One uniform :class:`Scale` per output: the dequantisation multiplier (``real = raw * scale``).
+        An MoE shared MXQ's ``expert_in`` output scale is the exact reciprocal of its layer's expert
+        input scale, as the release's are; the others differ from it."""
+        return [Scale(s, True, [s]) for s in self._out_scales]
 
     def get_model_input_data_type(self) -> DataType:
         """``DataType.Float32`` (one ``DataType``, as the real module returns): inputs and
@@ -321,7 +368,7 @@ class Model(AdvancedModelApi):
     def _check_item(self, length: int, cache_size: int) -> None:
         if length > self.W:
             raise fail("Model_ShapeMismatched", f"Sequence length of inputs[0] exceeds maximum value ({length} > {self.W})", "model.cc:412")
-        if cache_size + length > self.T:
+        if self._infos and cache_size + length > self.T:
             raise fail("Model_CacheOverflow", f"Sum of sequence length and cache size exceeds max cache size ({cache_size + length} > {self.T})", "model.cc:418")
 
     def _items(self, n_tokens: int, cache_size: int, params: Sequence[BatchParam] | None) -> list[tuple[int, int, int]]:
@@ -357,7 +404,7 @@ class Model(AdvancedModelApi):
 
     def _cache(self, cache_id: int) -> KVCache:
         if cache_id not in self._caches:
-            c = self._decoder.new_cache(self.T)
+            c = (self._decoder or self._part).new_cache(self.T)  # type: ignore[union-attr]
             for k, v in zip(c.keys, c.values):
                 k.fill(np.nan)
                 v.fill(np.nan)
@@ -385,32 +432,157 @@ class Model(AdvancedModelApi):
         """
         acc = self._launched()
         x, rank = self._input(inputs)
+        wall = time.perf_counter()
+        rows = self._compute(x, cache_size, params)
+        self._account_infer(acc, x.shape[0], wall)
+        results = [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
+        if outputs is None:
+            return results
+        if len(outputs) != len(results):
+            raise ValueError(f"The number of outputs is invalid (expected {len(results)}, got {len(outputs)}).")
+        for out, result in zip(outputs, results):
+            if out.size != result.size:
+                raise ValueError(f"Output shape is invalid: buffer of {out.size} elements, result {result.shape}.")
+        for out, result in zip(outputs, results):
+            out.reshape(-1)[:] = result.reshape(-1)
+        return None
+
+    def _compute(self, x: np.ndarray, cache_size: int, params: Sequence[BatchParam] | None) -> list[np.ndarray]:
+        """Check, then run the MXQ on the ``[S, hidden]`` tokens ``x``: one float32 ``[rows, C]`` per output.
+
+        Raises: as :meth:`infer` (nothing is written when a check fails).
+        """
         items = self._items(x.shape[0], cache_size, params)
+        if self._kind == "lm_head" and x.shape[0] != 1:
+            raise fail("Model_ShapeMismatched", f"Sequence length of inputs[0] must be 1 for this MXQ (got {x.shape[0]})", "model.cc:412")
         status = machine.infer_fault()
         if status is not None:
             s = machine.settings()
             raise fail(status, f"Injected fault: infer failed (infer_fail_after={s.infer_fail_after}, infer_fail_times={s.infer_fail_times}).", "model.cc:500")
-        wall = time.perf_counter()
         caches, xs, pos = [], [], 0
         for cid, cs, n in items:
-            c = self._cache(cid)
-            c.length = cs  # rewind/skip: the next write lands at cache_size
-            caches.append(c)
+            if self._infos:
+                c = self._cache(cid)
+                c.length = cs  # rewind/skip: the next write lands at cache_size
+                caches.append(c)
             xs.append(x[pos : pos + n])
             pos += n
         with np.errstate(invalid="ignore", over="ignore"):
-            logits = self._decoder._forward(xs, caches)
-        rows = np.concatenate(logits if self._all_logits else [lg[-1:] for lg in logits])
-        result = rows.reshape((1, 1) + rows.shape if rank == 4 else (1,) + rows.shape).astype(np.float32)
+            if self._decoder is not None:
+                logits = self._decoder._forward(xs, caches)
+                out = [np.concatenate(logits if self._all_logits else [lg[-1:] for lg in logits])]
+            else:
+                out = self._part_forward(x, caches)
         machine.note_infer_ok()
+        return [o.astype(np.float32) for o in out]
+
+    def _part_forward(self, x: np.ndarray, caches: list[KVCache]) -> list[np.ndarray]:
+        part = self._part
+        assert part is not None
+        if self._kind == "moe_expert":
+            return [part.expert_mlp(x)]
+        if self._kind == "lm_head":
+            return [part.head(x)]
+        residual, expert_in, gate = part.shared(x, caches[0])
+        named = {"residual": residual, "expert_in": expert_in, "gate": gate}
+        return [named[n][-1:] if self._last_only else named[n] for n in self._outputs]
+
+    # ------------------------------------------------------------------ NPU data
+    def _io(self, side: str, idx: Any) -> float:
+        """The dequantisation multiplier of input/output ``idx``. Raises: ValueError: no such index."""
+        scales = self._in_scales if side == "input" else self._out_scales
+        if not _is_int(idx) or not 0 <= idx < len(scales):
+            raise ValueError(f"{side} index {idx!r} is out of range: the model has {len(scales)} {side}(s)")
+        return 1.0 / scales[idx] if side == "input" else scales[idx]
+
+    def _acquire(self, side: str, shape: Sequence[int], idx: int, upload: bool, dtype: Any) -> NPUData:
+        acc = self._launched()
+        scale = self._io(side, idx)
+        dims = [int(d) for d in shape]
+        channels = self._cfg.hidden_size if side == "input" else self._channels(self._outputs[idx])
+        if len(dims) not in (3, 4) or any(d < 1 for d in dims) or dims[-1] != channels:
+            raise ValueError(f"acquire_{side}_npu_data: shape {list(shape)!r} must be [1, T, {channels}] "
+                             f"(or [1, 1, T, {channels}]) with T >= 1 for {side} {idx}")
+        if dtype is not None and dtype != DataType.Float32:
+            raise fail("NotImplemented", f"acquire_{side}_npu_data: dtype {dtype!r} is not simulated "
+                       "(npusim.mxq keeps the user-facing Float32 type only)", "model.cc:720")
+        return NPUData._acquire(tuple(dims), scale, acc if upload else None)
+
+    def acquire_input_npu_data(self, shape: list[int], idx: int = 0, upload: bool = False, dtype: Any = None) -> NPUData:
+        """A zero :class:`NPUData` of ``shape`` for input ``idx``: on this model's card when
+        ``upload``, else on the host. Its scale is this input's (``npu_data`` module docstring).
+
+        Raises:
+            QbRuntimeError: ``Model_NotLaunched``; ``NotImplemented`` for a dtype other than Float32.
+            ValueError: no input ``idx``, or a shape that is not ``[1, T, hidden]`` (``[1, 1, T, hidden]``).
+        """
+        return self._acquire("input", shape, idx, upload, dtype)
+
+    def acquire_output_npu_data(self, shape: list[int], idx: int = 0, upload: bool = False, dtype: Any = None) -> NPUData:
+        """As :meth:`acquire_input_npu_data`, for output ``idx`` (its channels, its scale)."""
+        return self._acquire("output", shape, idx, upload, dtype)
+
+    def infer_npu_data(self, inputs: list[NPUData], outputs: list[NPUData] | None = None,
+                       cache_size: int = 0) -> list[NPUData] | None:
+        """Run the model on NPUData: all on this model's card, or all on the host (never mixed).
+
+        On the card, the input's raw values are read with this model's input scale and the
+        outputs are written raw with this model's output scales, whatever model acquired the
+        buffers (``npu_data`` module docstring). On the host, values are real. An MoE expert MXQ
+        returns after a random wait of up to ``expert_finish_jitter_us`` (``machine``).
+
+        Returns:
+            None when ``outputs`` are given (filled in place); else new NPUData, one per output,
+            where the inputs reside.
+
+        Raises:
+            QbRuntimeError: as :meth:`infer`; ``InternalError`` for a mixed set of residencies or
+                card data on another card than the model's.
+            TypeError: an element is not an NPUData.
+            ValueError: as :meth:`infer`; the wrong number of inputs or outputs; an output
+                buffer whose shape is not the result's (both named).
+        """
+        acc = self._launched()
+        ins = list(inputs)
+        outs = None if outputs is None else list(outputs)
+        if len(ins) != len(self._in_scales):
+            raise ValueError(f"The number of inputs is invalid (expected {len(self._in_scales)}, got {len(ins)}).")
+        if outs is not None and len(outs) != len(self._outputs):
+            raise ValueError(f"The number of outputs is invalid (expected {len(self._outputs)}, got {len(outs)}).")
+        every = ins + (outs or [])
+        for d in every:
+            if not isinstance(d, NPUData):
+                raise TypeError(f"infer_npu_data takes NPUData, got {type(d).__name__}")
+        on_npu = {d.on_npu for d in every}
+        if len(on_npu) > 1:
+            raise fail("InternalError", "infer_npu_data: the inputs and outputs must all reside on the NPU or all "
+                       "on the host (got a mixed set)", "model.cc:760")
+        npu = on_npu.pop()
+        dev = acc.get_dev_no()
+        if npu and any(d.dev_no != dev for d in every):
+            where = sorted({d.dev_no for d in every})
+            raise fail("InternalError", f"infer_npu_data: NPUData on device(s) {where} given to a model launched "
+                       f"on device {dev}", "model.cc:765")
+        raw = ins[0]._values
+        real = raw * np.float32(1.0 / self._in_scales[0]) if npu else raw
+        x, rank = self._input(real)
+        wall = time.perf_counter()
+        rows = self._compute(x, cache_size, None)
+        results = [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
+        if outs is not None:
+            for i, (out, r) in enumerate(zip(outs, results)):
+                if out.shape != r.shape:
+                    raise ValueError(f"Output shape is invalid: outputs[{i}] has shape {out.shape}, the result {r.shape}.")
+        else:
+            outs = [NPUData._acquire(r.shape, self._out_scales[i], acc if npu else None) for i, r in enumerate(results)]
+        for out, r, s in zip(outs, results, self._out_scales):
+            with out._lock:
+                out._values[...] = r / np.float32(s) if npu else r
         self._account_infer(acc, x.shape[0], wall)
-        if outputs is None:
-            return [result]
-        out = outputs[0]
-        if out.size != result.size:
-            raise ValueError(f"Output shape is invalid: buffer of {out.size} elements, result {result.shape}.")
-        out.reshape(-1)[:] = result.reshape(-1)
-        return None
+        jitter = machine.settings().expert_finish_jitter_us if self._kind == "moe_expert" else 0
+        if jitter > 0:
+            time.sleep(random.uniform(0.0, jitter) / 1e6)
+        return None if outputs is not None else outs
 
     infer_hwc = infer
     infer_chw = infer
@@ -567,6 +739,21 @@ def _check_header(h: dict[str, Any]) -> dict[str, Any]:
         raise MxqFormatError(f"MXQ header core_modes={modes!r} must be a non-empty list of {sorted(CORE_MODE_NAMES)}.")
     if not isinstance(h["llm_config"], dict):
         raise MxqFormatError("MXQ header llm_config must be a JSON object.")
+    kind = h.get("kind", "decoder")
+    if kind not in MXQ_KINDS:
+        raise MxqFormatError(f"MXQ header kind={kind!r} must be one of {', '.join(MXQ_KINDS)}.")
+    outputs = h.get("outputs", list(KIND_OUTPUTS[kind]))
+    if not isinstance(outputs, list) or sorted(outputs) != sorted(KIND_OUTPUTS[kind]):
+        raise MxqFormatError(f"MXQ header outputs={outputs!r} must be an ordering of {list(KIND_OUTPUTS[kind])} for kind {kind!r}.")
+    for key, n in (("input_scales", 1), ("output_scales", len(outputs))):
+        v = h.get(key, [1.0] * n)
+        if (not isinstance(v, list) or len(v) != n
+                or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in v)):
+            raise MxqFormatError(f"MXQ header {key}={v!r} must be a list of {n} positive numbers.")
+    if not isinstance(h.get("last_only", False), bool) or (h.get("last_only", False) and kind != "moe_shared"):
+        raise MxqFormatError(f"MXQ header last_only={h.get('last_only')!r} must be a boolean, true only for kind 'moe_shared'.")
+    if kind != "decoder" and h["max_batch_size"] != 1:
+        raise MxqFormatError(f"MXQ header max_batch_size={h['max_batch_size']!r} must be 1 for kind {kind!r}.")
     return h
 
 
