@@ -1,11 +1,14 @@
 """Test-suite wiring: pytester (for testing the conformance plugin in throwaway projects), the
-Hypothesis profiles, and ``serve_vllm`` (a real ``vllm serve`` process for a test module)."""
+Hypothesis profiles, ``serve_vllm`` (a real ``vllm serve`` process for a test module) and
+``moe_release`` (the tiny Qwen3-MoE compiled to the Mobilint Mixture-of-Experts release)."""
 
 from __future__ import annotations
 
 import os
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -44,3 +47,23 @@ def serve_vllm(tmp_path_factory) -> Iterator[Callable[..., dict]]:
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def moe_release(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]:
+    """``moe_release(**moe_options) -> Path``: the tiny Qwen3-MoE (2 layers, 8 experts, top-2)
+    compiled by ``mxq compile`` to the Mixture-of-Experts release layout, width and prefill chunk
+    16, placed on 3 cards as the release is unless ``devices`` says otherwise; once per options
+    (:func:`npusim.mxq.compile_moe.compile_moe_release`'s keywords)."""
+    from npusim.mxq.compile import compile_artifact
+
+    cache: dict[str, Path] = {}
+
+    def get(**moe: Any) -> Path:
+        key = json.dumps(moe, sort_keys=True)
+        if key not in cache:
+            cache[key] = compile_artifact(tiny_model_dir("qwen3_moe"), tmp_path_factory.mktemp("moe-release"),
+                                          max_width=16, prefill_chunk_size=16, moe={"devices": 3, **moe})
+        return cache[key]
+
+    return get

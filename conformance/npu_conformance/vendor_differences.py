@@ -92,6 +92,19 @@ KNOWN: tuple[Difference, ...] = (
     Difference(_MBLT, "mblt_serving.multi_card_batching", r"no placement on devices \[0, 1\] logged",
                "With dev_no [0, 1] vllm-mblt's outputs equal their solo runs and the golden decoder.",
                _MBLT_LOGGED.format(what="two MXQ instances on two cards"), _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.moe_start_rules", r"--max-model-len 40960 started; expected a refusal",
+               "vllm-mblt refuses batch serving and clamps the default max_model_len as ours does, but it also "
+               "clamps an explicit --max-model-len 40960 to its constant 4096 for Mixture-of-Experts models "
+               "(mblt_platform.py: 'Clamping max_model_len from %d to %d'), so its worker's capacity check never "
+               "refuses: the user's explicit value is replaced without an error.",
+               "a reading of the seed: ours clamps only the config's declared value to the shared MXQs' capacity "
+               "and refuses an explicit larger one ('the worker ... refuses to start when max_model_len exceeds "
+               "their capacity', as issue 13 asks); vllm-mblt's constant is the capacity of Qwen3-30B-A3B only",
+               _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.moe_placement_overrides", r"assert 'lm_head on device \d; 4 expert workers'",
+               "With lm_head_target_cores and num_expert_workers overridden (and an unprefixed dev_no), vllm-mblt's "
+               "output equals the golden decoder; it ignores the unprefixed key without a word.",
+               _MBLT_LOGGED.format(what="the roles' placement, and of the unprefixed key being unused,"), _MBLT_DOCS),
     # ---------------------------------------------------------------- vllm-rbln 0.12.0 on rbln-sim
     Difference(_RBLN, "serving.prompt_logprobs",
                r"Refusal\(param='prompt_logprobs'.*500, 'EngineCore encountered an issue",

@@ -23,7 +23,8 @@ def test_tiny_configs_parse(arch):
     layers = 4 if arch == "exaone4" else 2
     assert cfg.model_type == arch
     assert (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim) == (128, 4, 2, 32)
-    assert (cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size, cfg.max_position_embeddings) == (256, layers, 1024, 1024)
+    assert (cfg.intermediate_size, cfg.num_hidden_layers, cfg.vocab_size) == (256, layers, 1024)
+    assert cfg.max_position_embeddings == (40960 if arch == "qwen3_moe" else 1024)  # as Qwen3-30B-A3B declares
     assert cfg.num_key_value_groups == 2 and cfg.q_size == 128 and cfg.kv_size == 64
     assert cfg.tie_word_embeddings == (arch in ("qwen2", "qwen3"))
     assert cfg.attention_bias == (arch == "qwen2") and not cfg.o_proj_bias and not cfg.mlp_bias

@@ -28,18 +28,9 @@ PROMPT = [1, 5, 9, 33, 70, 2, 11]
 
 
 @pytest.fixture(scope="module")
-def release(tiny_model_dir, tmp_path_factory) -> Any:
-    """``release(**moe_options) -> Path``, compiled once per options (width 16, chunk 16, 1 device)."""
-    cache: dict[str, Path] = {}
-
-    def get(**moe: Any) -> Path:
-        key = json.dumps(moe, sort_keys=True)
-        if key not in cache:
-            cache[key] = compile_artifact(tiny_model_dir("qwen3_moe"), tmp_path_factory.mktemp("moe"), max_width=16,
-                                          prefill_chunk_size=16, moe={"devices": 1, **moe})
-        return cache[key]
-
-    return get
+def release(moe_release) -> Any:
+    """The release compiled by the session's ``moe_release`` (width 16, 3 cards)."""
+    return moe_release
 
 
 @pytest.fixture(scope="module")
@@ -86,11 +77,11 @@ def test_packed_release_layout(release, golden):
     assert conf["model_type"] == "mobilint-qwen3_moe" and conf["architectures"] == ["MobilintQwen3MoEForCausalLM"]
     assert conf["max_batch_size"] == 1 and conf["moe_mxq_pack_index"] == "mxq/index.json"
     assert conf["lm_head_mxq_path"] == "mxq/lm_head.mxq" and "shared_mxq_path" not in conf
-    assert {k: conf[k] for k in release_placement(1)} == release_placement(1)
-    # the declared max_model_len is above the shared MXQs' KV capacity, as the release's is
-    shared_t = json.loads((root / "config.json").read_text())["max_position_embeddings"]
+    assert {k: conf[k] for k in release_placement(3)} == release_placement(3)
+    # the declared max_model_len (40960) is above the shared MXQs' KV capacity (4096), as the release's
+    declared = json.loads((root / "config.json").read_text())["max_position_embeddings"]
     header, _ = read_mxq(_write(root, _members(root)[(0, 0)]))
-    assert header["max_cache_size"] < shared_t
+    assert (header["max_cache_size"], declared) == (4096, 40960)
 
 
 def _write(root: Path, data: bytes) -> Path:
@@ -117,7 +108,7 @@ def test_unpacked_release_and_release_placement(release):
     ({"moe": {"shared_output_order": ["gate", "gate", "residual"]}}, r"must be a permutation of \['residual'"),
     ({"moe": {"alignment": 3000}}, r"alignment 3000 must be a power of two"),
     ({"moe": {"devices": 0}}, r"devices 0 must be an integer >= 1"),
-    ({"max_cache_size": 5000}, r"max_cache_size 5000 must be <= max_position_embeddings 1024"),
+    ({"max_cache_size": 50000}, r"max_cache_size 50000 must be <= max_position_embeddings 40960"),
 ])
 def test_bad_release_options_are_refused_before_writing(tiny_model_dir, tmp_path, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -68,7 +68,7 @@ def test_files_and_contents(arch, tiny_model_dir):
     assert specials["<|begin_of_text|>"] == cfg["bos_token_id"]
     tc = json.loads((d / "tokenizer_config.json").read_text())
     assert tc["tokenizer_class"] == "PreTrainedTokenizerFast" and "<|im_start|>" in tc["chat_template"]
-    assert tc["model_max_length"] == 1024
+    assert tc["model_max_length"] == cfg["max_position_embeddings"] == (40960 if arch == "qwen3_moe" else 1024)
 
     weights = load_safetensors(d)
     assert all(w.dtype == np.float32 for w in weights.values())

@@ -289,24 +289,6 @@ def test_tracing_around_generate(sim, qbruntime, artifact, tmp_path):
 LONG = [(13 * i + 7) % 1000 + 1 for i in range(40)]  # 16 + 16 + 8: the chunk path, then the token path
 
 
-@pytest.fixture(scope="module")
-def moe_release(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]:
-    """``moe_release(**moe_options) -> Path`` of the tiny Qwen3-MoE release (``mxq compile``), width
-    and chunk 16, placed on 3 cards as the release is; compiled once per options."""
-    from npusim.mxq.compile import compile_artifact
-
-    cache: dict[str, Path] = {}
-
-    def get(**moe: Any) -> Path:
-        key = json.dumps(moe, sort_keys=True)
-        if key not in cache:
-            cache[key] = compile_artifact(tiny_model_dir("qwen3_moe"), tmp_path_factory.mktemp("tmblt-moe"),
-                                          max_width=16, prefill_chunk_size=16, moe={"devices": 3, **moe})
-        return cache[key]
-
-    return get
-
-
 def _moe_greedy(model: Any, prompt: list[int]) -> list[int]:
     out = model.generate(torch.tensor([prompt]), max_new_tokens=NEW, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()

@@ -3,7 +3,7 @@
 Issue 4 §3: completions and chat, streaming and not, with the ``openai`` client against a real
 server process; greedy token ids equal the golden decoder (``npusim.llm.Decoder``) and
 ``transformers``. Also: concurrency, the platform's request refusals (HTTP 400), the KV-capacity
-start-up check, bad ``--model-loader-extra-config``, a release kind not served yet (Qwen3-MoE),
+start-up check, bad ``--model-loader-extra-config``, a release kind not served yet (EAGLE-3),
 the scheduler plan log, NPU event tracing
 (``VLLM_TORCH_PROFILER_DIR``) and ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0``.
 
@@ -175,17 +175,17 @@ class _Side:
 @pytest.fixture(scope="module")
 def side_runs(artifacts):
     root = artifacts["root"]
-    # a Qwen3-MoE release's config (what mobilint/Qwen3-30B-A3B ships, scaled down): a kind of
-    # release the plugin does not serve yet
-    moe = root / "moe_release"
-    moe.mkdir(exist_ok=True)
-    (moe / "config.json").write_text(json.dumps({
-        "model_type": "mobilint-qwen3_moe", "architectures": ["MobilintQwen3MoEForCausalLM"],
-        "hidden_size": 128, "num_hidden_layers": 2, "num_experts": 8, "num_experts_per_tok": 2,
-        "moe_mxq_pack_index": "moe_pack.json", "lm_head_mxq_path": "lm_head.mxq", "max_batch_size": 1,
+    # an EAGLE-3 release's config (base + draft + fc MXQs, scaled down): a kind of release the
+    # plugin does not serve yet
+    eagle = root / "eagle3_release"
+    eagle.mkdir(exist_ok=True)
+    (eagle / "config.json").write_text(json.dumps({
+        "model_type": "mobilint-llama-eagle3", "architectures": ["MobilintLlamaEagle3ForCausalLM"],
+        "hidden_size": 128, "num_hidden_layers": 2, "base_mxq_path": "base.mxq", "draft_mxq_path": "draft.mxq",
+        "fc_mxq_path": "fc.mxq", "base_max_batch_size": 1,
     }))
     runs = {
-        "moe_release": _Side(moe, [], root / "moe_release.log"),
+        "unbuilt_release": _Side(eagle, [], root / "eagle3_release.log"),
         "too_long": _Side(artifacts["small"], ["--max-model-len", "512"], root / "too_long.log"),
         # the seed's quick-start command (no --max-model-len) on an artifact whose config declares
         # more positions (1024) than its MXQ holds (256): it must start, clamped
@@ -662,13 +662,13 @@ def test_bad_loader_extra_config_refuses_to_start(side_runs):
 
 
 def test_unbuilt_release_kind_refuses_to_start_naming_the_issue(side_runs):
-    """A Qwen3-MoE release (served by vllm-mblt, not by this plugin yet) stops before vLLM parses
+    """An EAGLE-3 release (served by vllm-mblt, not by this plugin yet) stops before vLLM parses
     its config, with NotImplementedError naming the kind and issue 13, not an unknown-model error."""
-    code, log = side_runs["moe_release"].wait()
+    code, log = side_runs["unbuilt_release"].wait()
     assert code is not None and code != 0, log[-3000:]
     assert "MobilintReleaseNotBuilt" in log, log[-3000:]
-    assert ("model_type 'mobilint-qwen3_moe' is a Mixture-of-Experts (Qwen3-MoE) release, which vllm-mblt "
-            "serves and the MBLT plugin does not yet (issue 13)") in log, log[-3000:]
+    assert ("model_type 'mobilint-llama-eagle3' is an EAGLE-3 speculative-decoding release (Llama base), which "
+            "vllm-mblt serves and the MBLT plugin does not yet (issue 13)") in log, log[-3000:]
 
 
 def test_core_mode_override_picks_its_chunk(side_runs):

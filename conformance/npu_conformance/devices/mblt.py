@@ -34,6 +34,10 @@ from npu_conformance import vllm_server as vs
 from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
+#: A Mobilint Mixture-of-Experts release directory (e.g. mobilint/Qwen3-30B-A3B) for ``mblt-hw``.
+MOE_RELEASE_ENV = "NPU_HARNESS_MBLT_MOE_RELEASE"
+#: Cards the simulated MoE release is placed on (the release's default placement: 3).
+MOE_DEVICES = 3
 CONFIG_MARK = "NPU_HARNESS_CONFIG "
 
 _PROBE = r'''
@@ -55,6 +59,7 @@ for argv in json.loads(sys.argv[1]):
         "max_num_seqs": s.max_num_seqs, "max_num_batched_tokens": s.max_num_batched_tokens,
         "long_prefill_token_threshold": s.long_prefill_token_threshold,
         "block_size": c.block_size, "enable_prefix_caching": c.enable_prefix_caching,
+        "max_model_len": cfg.model_config.max_model_len,
         "worker_cls": cfg.parallel_config.worker_cls}), flush=True)
 '''
 
@@ -70,6 +75,8 @@ class MbltLab(DeviceLab):
     _artifacts: dict[str, Path] = field(default_factory=dict)
     _hf_dir: Path | None = None
     _golden: Any = None
+    _moe: Path | None = None
+    _moe_golden: Any = None
 
     device: ClassVar[str] = "mblt"
     max_model_len: ClassVar[int] = 1024
@@ -206,6 +213,46 @@ class MbltLab(DeviceLab):
         cfg.update(edits or {})
         (out / "config.json").write_text(json.dumps(cfg, indent=2))
         return out
+
+    # ------------------------------------------------------------------ Mixture-of-Experts
+    def moe_release(self) -> Path:
+        """A Mixture-of-Experts release: on ``mblt-sim`` the tiny Qwen3-MoE (2 layers, 8 experts,
+        top-2) compiled by ``mxq compile`` in the release layout (packs and index, placed on
+        :data:`MOE_DEVICES` cards, chunk 64); on ``mblt-hw`` the directory ``NPU_HARNESS_MBLT_MOE_RELEASE``
+        names.
+
+        Raises:
+            ArtifactUnavailable: on hardware, the variable is not set.
+        """
+        if self._moe is None:
+            if self.simulated:
+                from npusim import tinymodel
+                from npusim.mxq.compile import compile_artifact
+
+                hf = tinymodel.build("qwen3_moe", self.workdir / "tiny-qwen3-moe")
+                self._moe = compile_artifact(hf, self.workdir / "moe-release", prefill_chunk_size=64,
+                                             hub_proxy=self.hub_proxy, moe={"devices": MOE_DEVICES})
+            else:
+                raw = os.environ.get(MOE_RELEASE_ENV, "")
+                if not raw:
+                    raise ArtifactUnavailable(f"set {MOE_RELEASE_ENV} to a Mobilint Mixture-of-Experts release directory")
+                self._moe = Path(raw)
+        return self._moe
+
+    def moe_golden(self):
+        """The golden decoder of the simulated MoE release (None on hardware)."""
+        if not self.simulated:
+            return None
+        if self._moe_golden is None:
+            from npusim.llm import Decoder
+
+            self.moe_release()
+            self._moe_golden = Decoder.from_pretrained(self.workdir / "tiny-qwen3-moe")
+        return self._moe_golden
+
+    def moe_env(self) -> dict[str, str]:
+        """The environment a MoE server needs: on the simulator, :data:`MOE_DEVICES` cards."""
+        return {"NPUSIM_MXQ": json.dumps({"devices": MOE_DEVICES})} if self.simulated else {}
 
     # ------------------------------------------------------------------ vLLM
 

@@ -7,7 +7,7 @@ so vLLM can pickle it into the engine processes it spawns. Registered with trans
 
 from __future__ import annotations
 
-from transformers import Exaone4Config, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import Exaone4Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
 
 class MobilintLlamaConfig(LlamaConfig):
@@ -34,3 +34,11 @@ class MobilintExaone4Config(Exaone4Config):
     """``Exaone4Config`` of a Mobilint MXQ artifact (``model_type`` ``mobilint-exaone4``)."""
 
     model_type = "mobilint-exaone4"
+
+
+class MobilintQwen3MoEConfig(Qwen3MoeConfig):
+    """``Qwen3MoeConfig`` of a Mobilint Mixture-of-Experts release (``model_type``
+    ``mobilint-qwen3_moe``); the role keys (``shared_*``, ``expert_*``, ``lm_head_*``,
+    ``moe_mxq_pack_index``...) are kept as attributes for :mod:`vllm_npu.mblt.moe_backend`."""
+
+    model_type = "mobilint-qwen3_moe"

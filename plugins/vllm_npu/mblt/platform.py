@@ -81,6 +81,45 @@ def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: 
         model_config.max_model_len = capacity
 
 
+def _moe_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any, user: dict[str, Any]) -> None:
+    """A Mixture-of-Experts release: one sequence at a time, placement by role, and
+    ``max_model_len`` clamped to the shared MXQs' KV capacity (as vllm-mblt does).
+
+    Raises:
+        vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1 (from the loader extra
+            config or config.json), or a bad role placement key (:class:`MoePlacement`).
+    """
+    from vllm_npu.mblt import moe_backend, settings
+    from vllm_npu.mblt.runtime import load_runtime
+    from vllm_npu.targets import selected_target
+
+    n = settings.resolve_max_batch_size(overrides, artifact)
+    if n is not None and n > 1:
+        raise settings.MbltConfigError(moe_backend.BATCH_REFUSAL.format(n=n))
+    unprefixed = {k: v for k, v in (("dev_no", overrides.dev_no), ("target_cores", overrides.target_cores),
+                                     ("target_clusters", overrides.target_clusters), ("core_mode", overrides.core_mode),
+                                     ("mxq_path", overrides.extra.get("mxq_path"))) if v is not None}
+    if unprefixed:
+        logger.warning("MBLT MoE: unprefixed layout keys %s are not used for Mixture-of-Experts releases; place the "
+                       "roles with the shared_, expert_ and lm_head_ prefixed keys (e.g. lm_head_target_cores) and "
+                       "num_expert_workers", sorted(unprefixed))
+    moe_backend.MoePlacement.resolve(artifact, overrides.extra)
+    model_config = vllm_config.model_config
+    target = selected_target()
+    if user["max_model_len"] is not None or target not in ("mblt-sim", "mblt-hw"):
+        return
+    try:
+        capacity = moe_backend.MoeRelease(model_config.model, artifact).shared_kv_capacity(load_runtime(target))
+    except Exception as exc:  # noqa: BLE001 - the worker loads the release again and raises its error
+        logger.debug("MBLT platform: KV capacity of the MoE shared MXQs not read here (%s)", exc)
+        return
+    if model_config.max_model_len > capacity:
+        logger.warning("MBLT platform: max_model_len clamped from %d (the release's config) to %d, the KV capacity "
+                       "of its Mixture-of-Experts shared MXQs; pass --max-model-len to choose a value up to it",
+                       model_config.max_model_len, capacity)
+        model_config.max_model_len = capacity
+
+
 class MbltPlatform(NpuPlatform):
     """Out-of-tree platform for Mobilint NPUs (see the module docstring); what every NPU
     platform shares (kernel loading, worker hook, eager and synchronous) is in
@@ -116,7 +155,11 @@ class MbltPlatform(NpuPlatform):
                                           "max_num_batched_tokens": sched.max_num_batched_tokens,
                                           "max_model_len": vllm_config.model_config.max_model_len}
         artifact = artifact_config(vllm_config)
-        if user["max_model_len"] is None:
+        from vllm_npu.mblt.moe_backend import is_moe_release
+
+        if is_moe_release(artifact):
+            _moe_rules(vllm_config, artifact, overrides, user)
+        elif user["max_model_len"] is None:
             _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
             artifact,

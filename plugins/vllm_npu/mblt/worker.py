@@ -46,6 +46,7 @@ from vllm_npu.host_sampling import num_logprobs, request_generator, scatter_logp
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
+from vllm_npu.mblt.moe_backend import BATCH_REFUSAL, MoeBackend, MoePlacement, is_moe_release
 from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
 from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
@@ -195,6 +196,14 @@ class MbltWorker(NpuWorker):
             )
         runtime = load_runtime(target)
         model_dir = self.model_config.model
+        if is_moe_release(self.artifact):
+            if self.max_batch_size > 1:
+                raise settings.MbltConfigError(BATCH_REFUSAL.format(n=self.max_batch_size))
+            placement = MoePlacement.resolve(self.artifact, self.overrides.extra)
+            device = str(self.artifact.get("shared_target_device", "aries")).split("-")[0] or "aries"
+            self._finish_load(MoeBackend.create(runtime, model_dir, self.artifact, placement, device), runtime,
+                              "the Mixture-of-Experts release's shared MXQs")
+            return
         mxq_path = settings.mxq_path_of(model_dir, self.artifact, self.overrides)
         if mxq_path is None:
             raise MbltWorkerError(f"{model_dir}/config.json names no mxq_path")
@@ -218,11 +227,23 @@ class MbltWorker(NpuWorker):
             if "MXQAndModelConfigNotMatch" in str(exc):
                 raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
             raise
+        self._finish_load(backend, runtime, f"the loaded MXQ {mxq_path}")
+
+    def _finish_load(self, backend: MbltBackend | MoeBackend, runtime: Any, what: str) -> None:
+        """Check ``backend`` against the scheduler, load the embeddings and set up the slot table,
+        sampler and snapshot cap (``what`` names the MXQs in messages). Disposes the backend
+        when a check fails.
+
+        Raises:
+            vllm_npu.mblt.settings.MbltConfigError: ``max_model_len`` above the KV capacity.
+            MbltWorkerError: the embedding width differs from the MXQ input width.
+        """
+        model_dir = self.model_config.model
         try:
             if self.max_model_len > backend.max_cache_size:
                 raise settings.MbltConfigError(
-                    f"max_model_len={self.max_model_len} exceeds the KV capacity of the loaded MXQ "
-                    f"{mxq_path} ({backend.max_cache_size} tokens per cache id). "
+                    f"max_model_len={self.max_model_len} exceeds the KV capacity of {what} "
+                    f"({backend.max_cache_size} tokens per cache id). "
                     f"Pass --max-model-len {backend.max_cache_size} or lower."
                 )
             self.embeddings = _load_embeddings(model_dir)

@@ -121,8 +121,8 @@ def compile_moe_release(
 
     Args:
         max_cache_size: KV capacity of each shared MXQ, tokens; default
-            ``min(4096, max_position_embeddings // 2)``, so config.json's max_position_embeddings is
-            above it, as the release's 40960 is above its 4096. ``1 <= T <= max_position_embeddings``.
+            ``min(4096, max_position_embeddings)``: the release's 4096, below the 40960 positions its
+            config.json declares (the tiny qwen3_moe declares 40960 too). ``1 <= T <= max_position_embeddings``.
         max_width: most tokens per shared/expert infer; default ``max(128, largest chunk)``.
         prefill_chunk_size: int >= 1 or a dict of core-mode keys (config.json ``npu_prefill_chunk_size``).
         packed: write per-layer packs and their index (the release's layout) instead of one file per MXQ.
@@ -161,7 +161,7 @@ def compile_moe_release(
     _positive_int("num_expert_workers", num_expert_workers)
     chunks = _chunk_values(prefill_chunk_size)
     max_pos = cfg.max_position_embeddings
-    t = min(MAX_SHARED_CACHE, max(1, max_pos // 2)) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
+    t = min(MAX_SHARED_CACHE, max_pos) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
     if t > max_pos:
         raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
     w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)

@@ -147,9 +147,10 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         "use_post_norm": True,
     },
     # Qwen3-MoE as mobilint/Qwen3-30B-A3B is laid out (every layer sparse, untied head,
-    # renormalised top-k), scaled down: 8 experts, top-2, experts 64 wide
+    # renormalised top-k, 40960 positions declared), scaled down: 8 experts, top-2, experts 64 wide
     "qwen3_moe": {
         "architectures": ["Qwen3MoeForCausalLM"],
+        "max_position_embeddings": 40960,
         "model_type": "qwen3_moe",
         "attention_bias": False,
         "decoder_sparse_step": 1,
@@ -297,8 +298,8 @@ def build(arch: str, out_dir: str | os.PathLike, seed: int = 0, **config_overrid
             resulting sizes.
 
     Defaults: hidden 128, 4 heads, 2 KV heads, head_dim 32, intermediate 256, 2 layers (exaone4:
-    4), vocab 1024 (the tokenizer's size), max_position_embeddings 1024; about 2 MB (exaone4 3.4 MB,
-    qwen3_moe 3.1 MB).
+    4), vocab 1024 (the tokenizer's size), max_position_embeddings 1024 (qwen3_moe: 40960, as
+    Qwen3-30B-A3B declares); about 2 MB (exaone4 3.4 MB, qwen3_moe 3.1 MB).
 
     Returns:
         ``Path(out_dir)``.
