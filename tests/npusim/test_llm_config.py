@@ -30,7 +30,7 @@ def test_tiny_configs_parse(arch):
     assert cfg.attention_bias == (arch == "qwen2") and not cfg.o_proj_bias and not cfg.mlp_bias
     assert cfg.qk_norm == (arch in ("qwen3", "exaone4", "qwen3_moe"))
     theta = 10000.0 if arch in ("llama", "hyperclovax") else 1e6
-    assert cfg.rope == RopeConfig("default", theta, 32, 1024)
+    assert cfg.rope == RopeConfig("default", theta, 32, cfg.max_position_embeddings)
     assert cfg.norm_layout == {"exaone4": "post", "hyperclovax": "peri"}.get(arch, "pre")
     if arch == "exaone4":
         assert cfg.layer_types == ("sliding_attention",) * 3 + ("full_attention",) and cfg.sliding_window == 8
