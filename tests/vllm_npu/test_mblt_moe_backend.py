@@ -75,12 +75,14 @@ def _golden_steps(golden: Decoder, ids: list[int], n_new: int, width: int) -> li
     return out
 
 
-def test_expert_order_equals_golden_bit_for_bit(machine, release, golden):
+def test_expert_order_equals_golden_bit_for_bit_every_run(machine, release, golden):
+    """Fixing the order restores determinism: three runs, each equal to the golden decoder to the bit
+    (the simulated experts still finish in a varying order: ``expert_finish_jitter_us`` is on)."""
     backend = _backend(release(), expert_sum_order="expert")
     try:
-        got = _run(backend, golden, PROMPT, 6)
-        want = _golden_steps(golden, PROMPT, 6, backend.max_width)
-        assert [g.tobytes() for g in got] == [w.tobytes() for w in want]
+        want = [w.tobytes() for w in _golden_steps(golden, PROMPT, 6, backend.max_width)]
+        for _ in range(3):
+            assert [g.tobytes() for g in _run(backend, golden, PROMPT, 6)] == want
     finally:
         backend.dispose()
 
