@@ -87,6 +87,18 @@ def test_expert_order_equals_golden_bit_for_bit_every_run(machine, release, gold
         backend.dispose()
 
 
+def test_a_last_only_final_layer_gives_the_same_logits(machine, release, golden):
+    """A release whose final shared MXQ emits only the last token (the seed: "the last layer only
+    emits the last token's hidden state"): the experts and the lm_head then see that row alone."""
+    backend = _backend(release(last_only=True), expert_sum_order="expert")
+    try:
+        assert [layer.last_only for layer in backend.layers] == [False, True]
+        want = [w.tobytes() for w in _golden_steps(golden, PROMPT, 4, backend.max_width)]
+        assert [g.tobytes() for g in _run(backend, golden, PROMPT, 4)] == want
+    finally:
+        backend.dispose()
+
+
 def test_finish_order_is_close_to_golden_and_varies_run_to_run(machine, release, golden):
     backend = _backend(release())
     assert backend.placement.sum_order == "finish"  # the default

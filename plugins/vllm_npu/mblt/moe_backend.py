@@ -270,6 +270,8 @@ class _Layer:
     residual: int
     expert_in: int
     gate: int
+    #: the shared MXQ emits only the last token's row (a release's final layer may)
+    last_only: bool = False
 
 
 class MoeBackend:
@@ -354,7 +356,12 @@ class MoeBackend:
                 for e in range(n_experts):
                     with release.member(layer, 1 + e) as path:
                         experts.append(launch(path, "expert", expert_devs[e % len(expert_devs)]))
-                layers.append(_Layer(shared, experts, *_output_roles(layer, shared, experts[0], artifact, n_experts)))
+                last_only = int(tuple(shared.get_model_output_shape()[0])[-2]) == 1
+                if last_only and layer != n_layers - 1:
+                    raise MoeReleaseError(f"shared MXQ of layer {layer} emits only the last token, but layer "
+                                          f"{layer + 1} needs every token: only the final layer may be last-only")
+                layers.append(_Layer(shared, experts, *_output_roles(layer, shared, experts[0], artifact, n_experts),
+                                     last_only=last_only))
             lm_head = launch(str(release.lm_head_path), "lm_head", lm_dev)
         except BaseException as exc:
             MbltBackend._dispose_models(models)
@@ -411,12 +418,14 @@ class MoeBackend:
         return [self._head(h[-1:])]
 
     def _shared(self, layer: _Layer, h: np.ndarray, cache_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The shared MXQ on ``h`` over NPUData on its card; ``(residual, expert_in, gate)`` on the host."""
+        """The shared MXQ on ``h`` over NPUData on its card; ``(residual, expert_in, gate)`` on the host,
+        one row per token (one row, the last token's, on a last-only layer)."""
         m, n = layer.shared, h.shape[0]
+        rows = 1 if layer.last_only else n
         channels = {layer.residual: self.hidden_size, layer.expert_in: self.hidden_size, layer.gate: self.num_experts}
         host_in = m.acquire_input_npu_data([1, n, self.hidden_size], 0, False)
         npu_in = m.acquire_input_npu_data([1, n, self.hidden_size], 0, True)
-        npu_out = [m.acquire_output_npu_data([1, n, channels[i]], i, True) for i in range(3)]
+        npu_out = [m.acquire_output_npu_data([1, rows, channels[i]], i, True) for i in range(3)]
         host_in[:] = h[None]
         npu_in.copy_from(host_in)
         m.infer_npu_data([npu_in], npu_out, cache_size)
