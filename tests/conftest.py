@@ -1,6 +1,7 @@
 """Test-suite wiring: pytester (for testing the conformance plugin in throwaway projects), the
-Hypothesis profiles, ``serve_vllm`` (a real ``vllm serve`` process for a test module) and
-``moe_release`` (the tiny Qwen3-MoE compiled to the Mobilint Mixture-of-Experts release)."""
+Hypothesis profiles, ``serve_vllm`` (a real ``vllm serve`` process for a test module),
+``moe_release`` (the tiny Qwen3-MoE compiled to the Mobilint Mixture-of-Experts release) and
+``moe_golden`` (its golden decoder)."""
 
 from __future__ import annotations
 
@@ -67,3 +68,11 @@ def moe_release(tiny_model_dir, tmp_path_factory) -> Callable[..., Path]:
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def moe_golden(tiny_model_dir) -> Any:
+    """The golden decoder (``npusim.llm.Decoder``) of the tiny Qwen3-MoE that ``moe_release`` compiles."""
+    from npusim.llm import Decoder
+
+    return Decoder.from_pretrained(tiny_model_dir("qwen3_moe"))

@@ -27,17 +27,6 @@ from npusim.mxq.mxqfile import read_mxq
 PROMPT = [1, 5, 9, 33, 70, 2, 11]
 
 
-@pytest.fixture(scope="module")
-def release(moe_release) -> Any:
-    """The release compiled by the session's ``moe_release`` (width 16, 3 cards)."""
-    return moe_release
-
-
-@pytest.fixture(scope="module")
-def golden(tiny_model_dir) -> Decoder:
-    return Decoder.from_pretrained(tiny_model_dir("qwen3_moe"))
-
-
 def _members(root: Path) -> dict[tuple[int, int], bytes]:
     """``{(layer, member): bytes}`` of every pack, split as the index says (member 0 shared, 1+e expert e)."""
     index = json.loads((root / "mxq" / "index.json").read_text())
@@ -52,9 +41,9 @@ def _members(root: Path) -> dict[tuple[int, int], bytes]:
 
 
 # ---------------------------------------------------------------------------------------- layout
-def test_packed_release_layout(release, golden):
-    root = release()
-    cfg = golden.config
+def test_packed_release_layout(moe_release, moe_golden):
+    root = moe_release()
+    cfg = moe_golden.config
     index = json.loads((root / "mxq" / "index.json").read_text())
     assert (index["format"], index["version"], index["pack"]) == ("mobilint-moe-mxqpack", 1, "block_{layer}.mxqpack")
     assert len(index["sizes"]) == cfg.num_hidden_layers and all(len(r) == 1 + cfg.num_experts for r in index["sizes"])
@@ -90,8 +79,8 @@ def _write(root: Path, data: bytes) -> Path:
     return p
 
 
-def test_unpacked_release_and_release_placement(release):
-    root = release(packed=False)
+def test_unpacked_release_and_release_placement(moe_release):
+    root = moe_release(packed=False)
     conf = json.loads((root / "config.json").read_text())
     assert conf["shared_mxq_path"] == "mxq/block_{layer}_shared.mxq"
     assert conf["expert_mxq_path"] == "mxq/block_{layer}_expert_{expert}.mxq" and "moe_mxq_pack_index" not in conf
@@ -157,9 +146,9 @@ def _models(root: Path, acc: Any) -> tuple[list[Any], list[list[Any]], Any]:
     return shared, experts, up("mxq/lm_head.mxq")
 
 
-def test_moe_mxq_shapes_scales_and_kv(mxq_machine, release, golden):
-    c = golden.config
-    shared, experts, head = _models(release(packed=False), qb.Accelerator())
+def test_moe_mxq_shapes_scales_and_kv(mxq_machine, moe_release, moe_golden):
+    c = moe_golden.config
+    shared, experts, head = _models(moe_release(packed=False), qb.Accelerator())
     s = shared[0]
     assert s.get_model_input_shape() == [(1, -1, c.hidden_size)]
     assert s.get_model_output_shape() == [(1, -1, c.hidden_size), (1, -1, c.hidden_size), (1, -1, c.num_experts)]
@@ -172,20 +161,20 @@ def test_moe_mxq_shapes_scales_and_kv(mxq_machine, release, golden):
     s.infer([np.ones((1, 3, c.hidden_size), np.float32)], None, 0)
     s.load_cache_memory(blob, 0)
     assert [b == a for b, a in zip(s.dump_cache_memory(0), blob)] == [True]
-    last = _models(release(packed=False, last_only=True), qb.Accelerator())[0]
+    last = _models(moe_release(packed=False, last_only=True), qb.Accelerator())[0]
     assert last[0].get_model_output_shape()[0][-2] == -1 and last[-1].get_model_output_shape()[0][-2] == 1
     with pytest.raises(qb.QbRuntimeError):
         head.infer([np.ones((1, 2, c.hidden_size), np.float32)])  # the lm_head MXQ takes one token
 
 
-def _forward(golden: Decoder, shared: list[Any], experts: list[list[Any]], head: Any, ids: list[int], *,
+def _forward(moe_golden: Decoder, shared: list[Any], experts: list[list[Any]], head: Any, ids: list[int], *,
              finish_order: bool, pool: ThreadPoolExecutor) -> np.ndarray:
     """A host driving the pieces over NPUData on the card: one-shot prefill, last logits. Experts run
     on ``pool``; their weighted outputs are added to the residual one by one in the order they
     finish (``finish_order``, as transformers-mblt's token path), or summed in ascending expert id
     and then added (the golden reference's order)."""
-    c = golden.config
-    h = golden.embed(ids)
+    c = moe_golden.config
+    h = moe_golden.embed(ids)
     for layer, s in enumerate(shared):
         host_in = s.acquire_input_npu_data([1, len(ids), c.hidden_size], 0, False)
         npu_in = s.acquire_input_npu_data([1, len(ids), c.hidden_size], 0, True)
@@ -198,7 +187,7 @@ def _forward(golden: Decoder, shared: list[Any], experts: list[list[Any]], head:
         for r, o in zip(reads, outs):
             r.copy_from(o)
         residual, expert_in = reads[0][0], reads[1][0]
-        top, weights = golden.route(layer, expert_in)
+        top, weights = moe_golden.route(layer, expert_in)
 
         def run(e: int, rows: np.ndarray) -> np.ndarray:
             ex = experts[layer][e]
@@ -235,17 +224,17 @@ def _forward(golden: Decoder, shared: list[Any], experts: list[list[Any]], head:
     return np.array(y[0, 0])
 
 
-def test_pieces_summed_in_expert_order_equal_golden_bit_for_bit_and_finish_order_varies(mxq_machine, release, golden):
+def test_pieces_summed_in_expert_order_equal_golden_bit_for_bit_and_finish_order_varies(mxq_machine, moe_release, moe_golden):
     """The golden reference's sum order (ascending expert id) over the simulated pieces gives its
     logits exactly, every run. Summed in finish order (the board's; ``expert_finish_jitter_us``
     on by default), runs differ in the last bits and stay within 1e-5 of the reference."""
-    shared, experts, head = _models(release(packed=False), qb.Accelerator())
+    shared, experts, head = _models(moe_release(packed=False), qb.Accelerator())
     ids = PROMPT * 2  # 14 tokens: within the width of 16
-    ref = golden.prefill(ids, golden.new_cache(64))[-1]
+    ref = moe_golden.prefill(ids, moe_golden.new_cache(64))[-1]
     with ThreadPoolExecutor(max_workers=8) as pool:
-        fixed = {_forward(golden, shared, experts, head, ids, finish_order=False, pool=pool).tobytes() for _ in range(3)}
+        fixed = {_forward(moe_golden, shared, experts, head, ids, finish_order=False, pool=pool).tobytes() for _ in range(3)}
         assert fixed == {ref.tobytes()}
-        runs = [_forward(golden, shared, experts, head, ids, finish_order=True, pool=pool) for _ in range(12)]
+        runs = [_forward(moe_golden, shared, experts, head, ids, finish_order=True, pool=pool) for _ in range(12)]
     assert len({r.tobytes() for r in runs}) > 1, "finish order never changed the sum: the jitter is not working"
     assert max(float(np.abs(r - ref).max()) for r in runs) < 1e-5
     with pytest.raises(ValueError, match=r"expert_finish_jitter_us=-1 must be a number >= 0"):
@@ -253,9 +242,9 @@ def test_pieces_summed_in_expert_order_equal_golden_bit_for_bit_and_finish_order
 
 
 # ---------------------------------------------------------------------------------------- NPUData
-def test_npu_data_residency_and_scales(mxq_machine, release, golden):
-    c = golden.config
-    shared, experts, _ = _models(release(packed=False), qb.Accelerator())
+def test_npu_data_residency_and_scales(mxq_machine, moe_release, moe_golden):
+    c = moe_golden.config
+    shared, experts, _ = _models(moe_release(packed=False), qb.Accelerator())
     e0, e1 = experts[0][0], experts[0][1]
     host = e0.acquire_input_npu_data([1, 2, c.hidden_size], 0, False)
     assert (host.shape, host.dtype, host.dev_no, host.hardware_name, len(host)) == (
@@ -293,10 +282,10 @@ def test_npu_data_residency_and_scales(mxq_machine, release, golden):
     assert EXPERT_IN * e0.get_input_scale()[0].scale == 1.0
 
 
-def test_npu_data_on_another_card_is_refused(mxq_machine, release, golden):
+def test_npu_data_on_another_card_is_refused(mxq_machine, moe_release, moe_golden):
     mxq_machine.configure(devices=2)
-    c = golden.config
-    root = release(packed=False)
+    c = moe_golden.config
+    root = moe_release(packed=False)
     a = qb.Model(str(root / "mxq" / "block_0_expert_0.mxq"))
     a.launch(qb.Accelerator(0))
     b = qb.Model(str(root / "mxq" / "block_0_expert_0.mxq"))

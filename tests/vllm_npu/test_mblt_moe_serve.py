@@ -28,7 +28,6 @@ import pytest
 pytest.importorskip("vllm")
 
 from npu_conformance import vllm_server  # noqa: E402
-from npusim.llm import Decoder  # noqa: E402
 from vllm_npu.mblt.moe_backend import BATCH_REFUSAL  # noqa: E402
 from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING  # noqa: E402
 
@@ -39,17 +38,6 @@ MACHINE = json.dumps({"devices": 3})
 SIDE_TIMEOUT_S = 240
 CAPACITY = 4096  # the shared MXQs' KV capacity, as the release's (its config declares 40960)
 DECLARED = 40960
-
-
-@pytest.fixture(scope="module")
-def release(moe_release) -> Path:
-    """The session's tiny MoE release (packs and index, 3 cards, width and chunk 16)."""
-    return moe_release()
-
-
-@pytest.fixture(scope="module")
-def golden(tiny_model_dir) -> Decoder:
-    return Decoder.from_pretrained(tiny_model_dir("qwen3_moe"))
 
 
 class _Side:
@@ -87,8 +75,9 @@ class _Side:
 
 
 @pytest.fixture(scope="module")
-def side_runs(release, tmp_path_factory):
+def side_runs(moe_release, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-side")
+    release = moe_release()
     runs = {
         "batch": _Side(release, ["--model-loader-extra-config", '{"max_batch_size": 2}'], root / "batch.log"),
         "too_long": _Side(release, ["--max-model-len", "8192"], root / "too_long.log"),
@@ -103,16 +92,16 @@ def side_runs(release, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(release, side_runs, tmp_path_factory):  # noqa: ARG001 - the side runs start first
+def server(moe_release, side_runs, tmp_path_factory):  # noqa: ARG001 - the side runs start first
     env = vllm_server.vllm_env("mblt-sim", NPUSIM_MXQ=MACHINE)
-    srv = vllm_server.start(release, [], env=env, log=tmp_path_factory.mktemp("moe-log") / "serve.log")
+    srv = vllm_server.start(moe_release(), [], env=env, log=tmp_path_factory.mktemp("moe-log") / "serve.log")
     yield srv
     srv.stop()
 
 
-def test_greedy_equals_golden(server, golden):
+def test_greedy_equals_golden(server, moe_golden):
     for ids in PROMPTS:
-        assert vllm_server.greedy_ids(server, ids, N_NEW) == golden.generate_greedy(ids, N_NEW)
+        assert vllm_server.greedy_ids(server, ids, N_NEW) == moe_golden.generate_greedy(ids, N_NEW)
 
 
 def test_streaming_equals_the_whole_answer(server):
@@ -124,7 +113,7 @@ def test_streaming_equals_the_whole_answer(server):
     assert len(pieces) >= N_NEW // 2 and "".join(pieces) == whole.body["choices"][0]["text"]
 
 
-def test_concurrent_requests_run_one_at_a_time_and_stay_golden(server, golden):
+def test_concurrent_requests_run_one_at_a_time_and_stay_golden(server, moe_golden):
     prompts = [PROMPTS[1][i:] + [i + 50] for i in range(4)]
     barrier = threading.Barrier(len(prompts))
 
@@ -134,10 +123,10 @@ def test_concurrent_requests_run_one_at_a_time_and_stay_golden(server, golden):
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         got = list(pool.map(run, prompts))
-    assert got == [golden.generate_greedy(p, N_NEW) for p in prompts]
+    assert got == [moe_golden.generate_greedy(p, N_NEW) for p in prompts]
 
 
-def test_prompt_logprobs_take_the_microstep_path(server, golden):
+def test_prompt_logprobs_take_the_microstep_path(server, moe_golden):
     """The release emits only the last position's logits, so each prompt position is scored by a
     1-token step (the plugin says so once in its log); values equal the golden log-softmax."""
     ids = PROMPTS[1][:24]
@@ -145,7 +134,7 @@ def test_prompt_logprobs_take_the_microstep_path(server, golden):
                                                      "temperature": 0, "prompt_logprobs": 1})
     assert res.status == 200, res
     plp = res.body["choices"][0]["prompt_logprobs"]
-    logits = golden.prefill(ids, golden.new_cache(64)).astype(np.float64)
+    logits = moe_golden.prefill(ids, moe_golden.new_cache(64)).astype(np.float64)
     logsm = logits - logits.max(-1, keepdims=True)
     logsm -= np.log(np.exp(logsm).sum(-1, keepdims=True))
     assert plp[0] is None and len(plp) == len(ids)
@@ -155,11 +144,11 @@ def test_prompt_logprobs_take_the_microstep_path(server, golden):
     assert MICROSTEP_WARNING in server.log_text()
 
 
-def test_repeated_prefixes_stay_golden_and_snapshots_count_every_layer(server, golden):
+def test_repeated_prefixes_stay_golden_and_snapshots_count_every_layer(server, moe_golden):
     """A snapshot holds both layers' KV: 2 x 2 MiB (float32 KV of 2 heads x 4096 x 32, K and V)."""
     base = PROMPTS[2][:64]
     for ids in (base, base + [5, 6, 7], base[:48] + [9] * 20, base):
-        assert vllm_server.greedy_ids(server, ids, 4) == golden.generate_greedy(ids, 4)
+        assert vllm_server.greedy_ids(server, ids, 4) == moe_golden.generate_greedy(ids, 4)
     assert "finished prefix snapshots (4 MiB each" in server.log_text()
 
 
@@ -169,11 +158,11 @@ def test_max_model_len_is_clamped_to_the_shared_kv_capacity(server):
     assert f"max_model_len clamped from {DECLARED} (the release's config) to {CAPACITY}" in server.log_text()
 
 
-def test_an_over_long_prompt_is_refused_and_the_server_lives_on(server, golden):
+def test_an_over_long_prompt_is_refused_and_the_server_lives_on(server, moe_golden):
     res = server.request("POST", "/v1/completions", {"model": server.model, "prompt": [5] * (CAPACITY + 8),
                                                      "max_tokens": 1})
     assert res.status == 400 and str(CAPACITY) in json.dumps(res.body), res
-    assert vllm_server.greedy_ids(server, PROMPTS[0], 3) == golden.generate_greedy(PROMPTS[0], 3)
+    assert vllm_server.greedy_ids(server, PROMPTS[0], 3) == moe_golden.generate_greedy(PROMPTS[0], 3)
 
 
 def test_batch_serving_is_refused(side_runs):
