@@ -32,6 +32,7 @@ import logging
 import os
 import tempfile
 import threading
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
@@ -64,6 +65,8 @@ PACK_FORMAT, PACK_VERSION = "mobilint-moe-mxqpack", 1
 SHARED_ROLES: tuple[str, ...] = ("residual", "expert_in", "gate")
 #: A shared output's scale times the expert input scale is within this of 1 for ``expert_in``.
 SCALE_TOLERANCE = 1e-3
+#: Token counts whose buffers each model keeps (transformers-mblt keeps 2 chunk sizes).
+KEPT_TOKEN_COUNTS = 2
 BATCH_REFUSAL = "Mixture-of-Experts models support only non-batch serving, but max_batch_size={n} was configured."
 
 
@@ -274,6 +277,53 @@ class _Layer:
     last_only: bool = False
 
 
+@dataclass
+class _Io:
+    """A model's NPU data for one token count: the input on the host and on the card, the outputs
+    on the card and on the host."""
+
+    host_in: Any
+    npu_in: Any
+    npu_out: list[Any]
+    host_out: list[Any]
+
+
+class _IoCache:
+    """Per model, the :class:`_Io` of its :data:`KEPT_TOKEN_COUNTS` most recently used token counts,
+    acquired once and reused by later steps (a decode step always finds its one-token buffers),
+    as transformers-mblt keeps its shared MXQs' buffers per chunk size. Thread-safe: experts of one
+    layer run on several threads, each on its own model."""
+
+    def __init__(self, hidden: int) -> None:
+        self._hidden = hidden
+        self._by_model: dict[int, OrderedDict[int, _Io]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, model: Any, n: int, out_shapes: Sequence[tuple[int, int]]) -> _Io:
+        """``model``'s buffers for ``n`` input tokens and outputs ``[1, rows, C]`` per ``out_shapes``."""
+        with self._lock:
+            kept = self._by_model.setdefault(id(model), OrderedDict())
+            io = kept.get(n)
+            if io is not None:
+                kept.move_to_end(n)
+                return io
+        shape = [1, n, self._hidden]
+        outs = [[1, rows, c] for rows, c in out_shapes]
+        io = _Io(model.acquire_input_npu_data(shape, 0, False), model.acquire_input_npu_data(shape, 0, True),
+                 [model.acquire_output_npu_data(o, i, True) for i, o in enumerate(outs)],
+                 [model.acquire_output_npu_data(o, i, False) for i, o in enumerate(outs)])
+        with self._lock:
+            kept[n] = io
+            while len(kept) > KEPT_TOKEN_COUNTS:
+                kept.popitem(last=False)
+        return io
+
+    def clear(self) -> None:
+        """Drop every buffer."""
+        with self._lock:
+            self._by_model.clear()
+
+
 class MoeBackend:
     """A release's MXQs launched as placed, run one sequence at a time (module docstring).
 
@@ -302,6 +352,9 @@ class MoeBackend:
         self.max_width = min(int(m.get_input_buffer_info()[0].max_width) for m in (first, layers[0].experts[0]))
         self.kv_nbytes_per_cache = sum(int(i.size) for layer in layers for i in layer.shared.get_cache_infos())
         self._pool = ThreadPoolExecutor(max_workers=placement.num_expert_workers, thread_name_prefix="mblt-expert")
+        self._ios = _IoCache(self.hidden_size)
+        self._head_io: tuple[Any, Any] | None = (lm_head.acquire_input_npu_data([1, 1, self.hidden_size], 0, False),
+                                                 lm_head.acquire_output_npu_data([1, 1, self.vocab_size], 0, False))
         self._lock = threading.Lock()
         self._disposed = False
 
@@ -412,29 +465,29 @@ class MoeBackend:
             raise MbltBackendError(f"row of shape {x.shape}: expected [T, {self.hidden_size}] with 1 <= T <= "
                                    f"{self.max_width}")
         h = x
-        for li, layer in enumerate(self.layers):
+        for layer in self.layers:
             residual, expert_in, gate = self._shared(layer, h, int(row.cache_size))
-            h = self._experts(li, layer, residual, expert_in, gate)
+            h = self._experts(layer, residual, expert_in, gate)
         return [self._head(h[-1:])]
 
     def _shared(self, layer: _Layer, h: np.ndarray, cache_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The shared MXQ on ``h`` over NPUData on its card; ``(residual, expert_in, gate)`` on the host,
-        one row per token (one row, the last token's, on a last-only layer)."""
-        m, n = layer.shared, h.shape[0]
-        rows = 1 if layer.last_only else n
+        """The shared MXQ on ``h``; ``(residual, expert_in, gate)`` on the host, one row per token
+        (one row, the last token's, on a last-only layer)."""
+        rows = 1 if layer.last_only else h.shape[0]
         channels = {layer.residual: self.hidden_size, layer.expert_in: self.hidden_size, layer.gate: self.num_experts}
-        host_in = m.acquire_input_npu_data([1, n, self.hidden_size], 0, False)
-        npu_in = m.acquire_input_npu_data([1, n, self.hidden_size], 0, True)
-        npu_out = [m.acquire_output_npu_data([1, rows, channels[i]], i, True) for i in range(3)]
-        host_in[:] = h[None]
-        npu_in.copy_from(host_in)
-        m.infer_npu_data([npu_in], npu_out, cache_size)
-        out = []
-        for i in (layer.residual, layer.expert_in, layer.gate):
-            back = m.acquire_output_npu_data(list(npu_out[i].shape), i, False)
-            back.copy_from(npu_out[i])
-            out.append(np.array(back[0], dtype=np.float32))
-        return out[0], out[1], out[2]
+        out = self._run(layer.shared, h, [(rows, channels[i]) for i in range(3)], cache_size)
+        return out[layer.residual], out[layer.expert_in], out[layer.gate]
+
+    def _run(self, model: Any, x: np.ndarray, out_shapes: Sequence[tuple[int, int]], cache_size: int = 0) -> list[np.ndarray]:
+        """``model`` on the host rows ``x`` ``[n, hidden]`` through NPU data on its card (uploaded,
+        run, read back; the buffers of :class:`_IoCache`): each output ``[rows, C]`` on the host."""
+        io = self._ios.get(model, x.shape[0], out_shapes)
+        io.host_in[:] = x[None]
+        io.npu_in.copy_from(io.host_in)
+        model.infer_npu_data([io.npu_in], io.npu_out, cache_size)
+        for host, npu in zip(io.host_out, io.npu_out):
+            host.copy_from(npu)
+        return [np.array(host[0], dtype=np.float32) for host in io.host_out]
 
     def _route(self, gate: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Top-k experts per token (by falling probability, lowest id first on a tie) and their
@@ -450,19 +503,10 @@ class MoeBackend:
         return top, w.astype(np.float32)
 
     def _expert(self, model: Any, x: np.ndarray) -> np.ndarray:
-        n = x.shape[0]
-        host_in = model.acquire_input_npu_data([1, n, self.hidden_size], 0, False)
-        npu_in = model.acquire_input_npu_data([1, n, self.hidden_size], 0, True)
-        npu_out = model.acquire_output_npu_data([1, n, self.hidden_size], 0, True)
-        host_out = model.acquire_output_npu_data([1, n, self.hidden_size], 0, False)
-        host_in[:] = x[None]
-        npu_in.copy_from(host_in)
-        model.infer_npu_data([npu_in], [npu_out])
-        host_out.copy_from(npu_out)
-        return np.array(host_out[0], dtype=np.float32)
+        """One expert on its routed rows ``x`` ``[n, hidden]`` (unweighted), on the host."""
+        return self._run(model, x, [(x.shape[0], self.hidden_size)])[0]
 
-    def _experts(self, li: int, layer: _Layer, residual: np.ndarray, expert_in: np.ndarray,
-                 gate: np.ndarray) -> np.ndarray:
+    def _experts(self, layer: _Layer, residual: np.ndarray, expert_in: np.ndarray, gate: np.ndarray) -> np.ndarray:
         """The next layer's input: ``residual`` plus the routed experts' weighted outputs."""
         top, weights = self._route(gate)
         jobs = {}
@@ -483,11 +527,10 @@ class MoeBackend:
         return (residual.astype(np.float64) + out).astype(np.float32)
 
     def _head(self, h: np.ndarray) -> np.ndarray:
-        m = self.lm_head
-        x = m.acquire_input_npu_data([1, 1, self.hidden_size], 0, False)
-        y = m.acquire_output_npu_data([1, 1, self.vocab_size], 0, False)
+        """The lm_head on the host-resident ``[1, hidden]`` row ``h`` (as transformers-mblt calls it)."""
+        x, y = self._head_io
         x[:] = h[None]
-        m.infer_npu_data([x], [y])
+        self.lm_head.infer_npu_data([x], [y])
         return np.array(y[0, 0], dtype=np.float32)
 
     # ---------------------------------------------------------------- KV host copies
@@ -530,6 +573,8 @@ class MoeBackend:
                 return
             self._disposed = True
         self._pool.shutdown(wait=True)
+        self._ios.clear()  # NPU data goes before the models and accelerators holding it
+        self._head_io = None
         first = MbltBackend._dispose_models(self.models)
         if first is not None:
             raise first

@@ -53,45 +53,57 @@ def artifact_config(vllm_config: Any) -> dict[str, Any]:
 
 def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: Any) -> None:
     """Without ``--max-model-len``, clamp vLLM's ``max_model_len`` (the artifact's declared
-    ``max_position_embeddings``) to the MXQ's KV capacity, with a log line, as vllm-mblt does for
-    its releases whose config declares more than their MXQs hold. An explicit over-capacity value
-    is left for the worker to refuse. Nothing changes when the MXQ cannot be read here (no target
-    selected, no ``mxq_path``, a runtime error): the worker then reports the cause."""
-    from vllm_npu.mblt import settings
+    ``max_position_embeddings``) to the KV capacity, with a log line, as vllm-mblt does for its
+    releases whose config declares more than their MXQs hold: the MXQ's capacity, or for a
+    Mixture-of-Experts release that of its shared MXQs (read from layer 0's). An explicit
+    over-capacity value is left for the worker to refuse. Nothing changes when the capacity cannot
+    be read here (no target selected, no ``mxq_path``, a runtime error): the worker then reports
+    the cause."""
+    from vllm_npu.mblt import moe_backend, settings
     from vllm_npu.mblt.backend import kv_capacity
     from vllm_npu.mblt.runtime import load_runtime
     from vllm_npu.targets import selected_target
 
     model_config = vllm_config.model_config
     target = selected_target()
-    path = settings.mxq_path_of(model_config.model, artifact, overrides)
-    if target not in ("mblt-sim", "mblt-hw") or path is None or not os.path.isfile(path):
+    if target not in ("mblt-sim", "mblt-hw"):
         return
+    if moe_backend.is_moe_release(artifact):
+        source, what = "release", "its Mixture-of-Experts shared MXQs"
+
+        def read(runtime: Any) -> int:
+            return moe_backend.MoeRelease(model_config.model, artifact).shared_kv_capacity(runtime)
+    else:
+        path = settings.mxq_path_of(model_config.model, artifact, overrides)
+        if path is None or not os.path.isfile(path):
+            return
+        source, what = "artifact", path
+
+        def read(runtime: Any) -> int:
+            return kv_capacity(runtime, path)
     try:
-        capacity = kv_capacity(load_runtime(target), path)
-    except Exception as exc:  # noqa: BLE001 - the worker loads the MXQ again and raises its error
-        logger.debug("MBLT platform: KV capacity of %s not read here (%s)", path, exc)
+        capacity = read(load_runtime(target))
+    except Exception as exc:  # noqa: BLE001 - the worker loads the MXQs again and raises its error
+        logger.debug("MBLT platform: KV capacity of %s not read here (%s)", what, exc)
         return
     if model_config.max_model_len > capacity:
         logger.warning(
-            "MBLT platform: max_model_len clamped from %d (the artifact's config) to %d, the KV "
+            "MBLT platform: max_model_len clamped from %d (the %s's config) to %d, the KV "
             "capacity of %s; pass --max-model-len to choose a value up to it",
-            model_config.max_model_len, capacity, path,
+            model_config.max_model_len, source, capacity, what,
         )
         model_config.max_model_len = capacity
 
 
-def _moe_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any, user: dict[str, Any]) -> None:
-    """A Mixture-of-Experts release: one sequence at a time, placement by role, and
-    ``max_model_len`` clamped to the shared MXQs' KV capacity (as vllm-mblt does).
+def _moe_rules(artifact: dict[str, Any], overrides: Any) -> None:
+    """A Mixture-of-Experts release: one sequence at a time, placement by role (its
+    ``max_model_len`` is clamped as any artifact's: :func:`_clamp_max_model_len`).
 
     Raises:
         vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1 (from the loader extra
             config or config.json), or a bad role placement key (:class:`MoePlacement`).
     """
     from vllm_npu.mblt import moe_backend, settings
-    from vllm_npu.mblt.runtime import load_runtime
-    from vllm_npu.targets import selected_target
 
     n = settings.resolve_max_batch_size(overrides, artifact)
     if n is not None and n > 1:
@@ -104,20 +116,6 @@ def _moe_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any, user:
                        "roles with the shared_, expert_ and lm_head_ prefixed keys (e.g. lm_head_target_cores) and "
                        "num_expert_workers", sorted(unprefixed))
     moe_backend.MoePlacement.resolve(artifact, overrides.extra)
-    model_config = vllm_config.model_config
-    target = selected_target()
-    if user["max_model_len"] is not None or target not in ("mblt-sim", "mblt-hw"):
-        return
-    try:
-        capacity = moe_backend.MoeRelease(model_config.model, artifact).shared_kv_capacity(load_runtime(target))
-    except Exception as exc:  # noqa: BLE001 - the worker loads the release again and raises its error
-        logger.debug("MBLT platform: KV capacity of the MoE shared MXQs not read here (%s)", exc)
-        return
-    if model_config.max_model_len > capacity:
-        logger.warning("MBLT platform: max_model_len clamped from %d (the release's config) to %d, the KV capacity "
-                       "of its Mixture-of-Experts shared MXQs; pass --max-model-len to choose a value up to it",
-                       model_config.max_model_len, capacity)
-        model_config.max_model_len = capacity
 
 
 class MbltPlatform(NpuPlatform):
@@ -158,8 +156,8 @@ class MbltPlatform(NpuPlatform):
         from vllm_npu.mblt.moe_backend import is_moe_release
 
         if is_moe_release(artifact):
-            _moe_rules(vllm_config, artifact, overrides, user)
-        elif user["max_model_len"] is None:
+            _moe_rules(artifact, overrides)
+        if user["max_model_len"] is None:
             _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
             artifact,

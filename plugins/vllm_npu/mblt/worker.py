@@ -200,7 +200,7 @@ class MbltWorker(NpuWorker):
             if self.max_batch_size > 1:
                 raise settings.MbltConfigError(BATCH_REFUSAL.format(n=self.max_batch_size))
             placement = MoePlacement.resolve(self.artifact, self.overrides.extra)
-            device = str(self.artifact.get("shared_target_device", "aries")).split("-")[0] or "aries"
+            device = self._device_name("shared_target_device")
             self._finish_load(MoeBackend.create(runtime, model_dir, self.artifact, placement, device), runtime,
                               "the Mixture-of-Experts release's shared MXQs")
             return
@@ -219,7 +219,7 @@ class MbltWorker(NpuWorker):
             target_cores=self.overrides.target_cores,
             target_clusters=self.overrides.target_clusters,
             max_batch_size=self.max_batch_size,
-            device_name=str(self.artifact.get("target_device", "aries")).split("-")[0] or "aries",
+            device_name=self._device_name("target_device"),
         )
         try:
             backend = MbltBackend.create(runtime, mxq_path, layout)
@@ -228,6 +228,10 @@ class MbltWorker(NpuWorker):
                 raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
             raise
         self._finish_load(backend, runtime, f"the loaded MXQ {mxq_path}")
+
+    def _device_name(self, key: str) -> str:
+        """The qbruntime device family config.json's ``key`` names (``aries-rb`` -> ``aries``; default ``aries``)."""
+        return str(self.artifact.get(key, "aries")).split("-")[0] or "aries"
 
     def _finish_load(self, backend: MbltBackend | MoeBackend, runtime: Any, what: str) -> None:
         """Check ``backend`` against the scheduler, load the embeddings and set up the slot table,

@@ -64,7 +64,7 @@ from .qlinear import FusedQ4Linear, UnsupportedLinearError, check_linear_kind
 from .rope import apply_rope
 from .safetensors import load_safetensors
 
-__all__ = ["Decoder", "checked_weights", "expected_tensor_shapes"]
+__all__ = ["Decoder", "checked_weights", "decoder_dtype", "expected_tensor_shapes"]
 
 _SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
 
@@ -129,6 +129,18 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 _ACC = np.float64  # evaluation precision of every operation
+
+
+def decoder_dtype(dtype: np.dtype | type) -> np.dtype:
+    """``dtype`` as a numpy dtype the decoder evaluates in.
+
+    Raises:
+        ValueError: not float16, float32 or float64.
+    """
+    dt = np.dtype(dtype)
+    if dt not in _SUPPORTED_DTYPES:
+        raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
+    return dt
 
 
 def checked_weights(shapes: Mapping[str, tuple[int, ...]], weights: Mapping[str, np.ndarray], dtype: np.dtype,
@@ -197,9 +209,7 @@ class Decoder:
                 f"linear='q4x32' does not cover Mixture-of-Experts layers ({config.model_type}: "
                 f"{config.num_experts} experts); use linear='float'"
             )
-        dt = np.dtype(dtype)
-        if dt not in _SUPPORTED_DTYPES:
-            raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
+        dt = decoder_dtype(dtype)
         self.config = config
         self.dtype = dt
         w = checked_weights(expected_tensor_shapes(config), weights, dt, source)

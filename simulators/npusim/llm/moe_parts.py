@@ -22,7 +22,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from .config import ModelConfig
-from .decoder import _ACC, Decoder, _rms_norm, checked_weights, expected_tensor_shapes
+from .decoder import _ACC, Decoder, _rms_norm, checked_weights, decoder_dtype, expected_tensor_shapes
 from .errors import UnsupportedModelError
 from .kvcache import KVCache
 
@@ -90,9 +90,7 @@ class DecoderPart(Decoder):
     def __init__(self, config: ModelConfig, weights: Mapping[str, np.ndarray], kind: str, *, layer: int | None = None,
                  expert: int | None = None, dtype: np.dtype | type = np.float32, source: str = "weights") -> None:
         names = part_tensor_names(config, kind, layer, expert)
-        dt = np.dtype(dtype)
-        if dt not in (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64)):
-            raise ValueError(f"unsupported decoder dtype {dt} (supported: float16, float32, float64)")
+        dt = decoder_dtype(dtype)
         shapes = expected_tensor_shapes(config)
         w = checked_weights({n: shapes[n] for n in names}, weights, dt, source)
         self.config, self.dtype, self.linear, self._q4 = config, dt, "float", None

@@ -139,6 +139,8 @@ class Model(AdvancedModelApi):
         self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0])]
         self._out_scales: list[float] = [float(v) for v in header.get("output_scales", [1.0] * len(self._outputs))]
         self._last_only = bool(header.get("last_only", False))
+        #: an MoE MXQ whose outputs have one token row whatever its input (last-only shared, lm_head)
+        self._one_row = self._last_only or self._kind == "lm_head"
         self.K = int(header["max_batch_size"])
         self.T = int(header["max_cache_size"])
         self.W = int(header["max_width"])
@@ -308,7 +310,7 @@ class Model(AdvancedModelApi):
         if self._kind == "decoder":
             rows = 1 if (not self._all_logits and self.K == 1) else -1
             return [(1, rows, self._cfg.vocab_size)]
-        rows = 1 if (self._last_only or self._kind == "lm_head") else -1
+        rows = 1 if self._one_row else -1
         return [(1, rows, self._channels(name)) for name in self._outputs]
 
     def _channels(self, output: str) -> int:
@@ -324,7 +326,7 @@ class Model(AdvancedModelApi):
         """``max_width``: W for full logits, K for last-logit batch artifacts, else 1 (MoE MXQs:
         W per output, 1 when last-only)."""
         if self._kind != "decoder":
-            rows = 1 if (self._last_only or self._kind == "lm_head") else self.W
+            rows = 1 if self._one_row else self.W
             return [_buffer_info(1, rows, self._channels(n), 0) for n in self._outputs]
         w = self.W if self._all_logits else (self.K if self.K > 1 else 1)
         v = self._cfg.vocab_size
@@ -435,7 +437,7 @@ class Model(AdvancedModelApi):
         wall = time.perf_counter()
         rows = self._compute(x, cache_size, params)
         self._account_infer(acc, x.shape[0], wall)
-        results = [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
+        results = _with_rank(rows, rank)
         if outputs is None:
             return results
         if len(outputs) != len(results):
@@ -564,11 +566,11 @@ class Model(AdvancedModelApi):
             raise fail("InternalError", f"infer_npu_data: NPUData on device(s) {where} given to a model launched "
                        f"on device {dev}", "model.cc:765")
         raw = ins[0]._values
-        real = raw * np.float32(1.0 / self._in_scales[0]) if npu else raw
+        real = raw * np.float32(self._io("input", 0)) if npu else raw
         x, rank = self._input(real)
         wall = time.perf_counter()
         rows = self._compute(x, cache_size, None)
-        results = [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
+        results = _with_rank(rows, rank)
         if outs is not None:
             for i, (out, r) in enumerate(zip(outs, results)):
                 if out.shape != r.shape:
@@ -576,8 +578,7 @@ class Model(AdvancedModelApi):
         else:
             outs = [NPUData._acquire(r.shape, self._out_scales[i], acc if npu else None) for i, r in enumerate(results)]
         for out, r, s in zip(outs, results, self._out_scales):
-            with out._lock:
-                out._values[...] = r / np.float32(s) if npu else r
+            out._put(r / np.float32(s) if npu else r)
         self._account_infer(acc, x.shape[0], wall)
         jitter = machine.settings().expert_finish_jitter_us if self._kind == "moe_expert" else 0
         if jitter > 0:
@@ -725,6 +726,11 @@ class Model(AdvancedModelApi):
     def infer_to_float(self, *args: Any, **kwargs: Any) -> None:
         """Raises: QbRuntimeError ``NotImplemented`` (int8 inputs)."""
         self._not_implemented("infer_to_float")
+
+
+def _with_rank(rows: list[np.ndarray], rank: int) -> list[np.ndarray]:
+    """Each ``[rows, C]`` output as ``(1, rows, C)``, or ``(1, 1, rows, C)`` for a rank-4 input."""
+    return [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
 
 
 def _check_header(h: dict[str, Any]) -> dict[str, Any]:

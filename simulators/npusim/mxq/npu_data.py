@@ -109,7 +109,10 @@ class NPUData:
             raise TypeError(f"NPUData.copy_from needs an NPUData, got {type(src).__name__}")
         if src.shape != self.shape:
             raise ValueError(f"NPUData.copy_from: shape mismatch (destination {self.shape}, source {src.shape})")
-        values = src._real() if self._acc is None else src._raw_for(self._scale)
+        self._put(src._real() if self._acc is None else src._raw_for(self._scale))
+
+    def _put(self, values: np.ndarray) -> None:
+        """Store ``values`` as they are (raw on a card, real on the host): what a model's infer writes."""
         with self._lock:
             self._values[...] = values
 
