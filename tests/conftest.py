@@ -1,12 +1,15 @@
 """Test-suite wiring: pytester (for testing the conformance plugin in throwaway projects), the
 Hypothesis profiles, ``serve_vllm`` (a real ``vllm serve`` process for a test module),
-``moe_release`` (the tiny Qwen3-MoE compiled to the Mobilint Mixture-of-Experts release) and
-``moe_golden`` (its golden decoder)."""
+``moe_release`` (the tiny Qwen3-MoE compiled to the Mobilint Mixture-of-Experts release),
+``moe_golden`` (its golden decoder), ``eagle3_model_dir`` (the tiny EAGLE-3 checkpoint),
+``eagle3_release`` (it compiled to the Mobilint EAGLE-3 release) and ``eagle3_golden`` (its base
+decoder and draft)."""
 
 from __future__ import annotations
 
 import os
 import json
+from types import SimpleNamespace
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,3 +79,50 @@ def moe_golden(tiny_model_dir) -> Any:
     from npusim.llm import Decoder
 
     return Decoder.from_pretrained(tiny_model_dir("qwen3_moe"))
+
+
+#: ``eagle3_release``'s defaults: small capacities, so tests see chunking and fit in a moment.
+EAGLE3_TEST_OPTIONS: dict[str, Any] = {"max_cache_size": 256, "prefill_chunk_size": 16}
+
+
+@pytest.fixture(scope="session")
+def eagle3_model_dir(tmp_path_factory) -> Path:
+    """The tiny EAGLE-3 checkpoint of ``npusim.tinymodel.eagle3.build_eagle3`` (llama base, seed 0):
+    the 4-layer base in the directory, the draft in ``eagle3_draft/``; built once per session."""
+    pytest.importorskip("tokenizers", reason="building tiny models needs the 'models' extra")
+    from npusim.tinymodel.eagle3 import build_eagle3
+
+    return build_eagle3(tmp_path_factory.mktemp("tiny-eagle3"), base_arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def eagle3_release(eagle3_model_dir, tmp_path_factory) -> Callable[..., Path]:
+    """``eagle3_release(**opts) -> Path``: the tiny EAGLE-3 checkpoint compiled by ``mxq compile``
+    to the Mobilint EAGLE-3 release layout (:func:`npusim.mxq.compile_eagle3.compile_eagle3_release`'s
+    keywords; defaults :data:`EAGLE3_TEST_OPTIONS`: base/draft KV 256 tokens, prefill chunk 16,
+    the vendor's tree 5/8/64), once per options."""
+    from npusim.mxq.compile import compile_artifact
+
+    cache: dict[str, Path] = {}
+
+    def get(**opts: Any) -> Path:
+        kw = {**EAGLE3_TEST_OPTIONS, **opts}
+        key = json.dumps(kw, sort_keys=True)
+        if key not in cache:
+            top = {k: kw.pop(k) for k in ("max_cache_size", "prefill_chunk_size", "max_width", "hub_proxy") if k in kw}
+            cache[key] = compile_artifact(eagle3_model_dir, tmp_path_factory.mktemp("eagle3-release"), eagle3=kw, **top)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def eagle3_golden(eagle3_model_dir) -> SimpleNamespace:
+    """The golden pieces of the tiny EAGLE-3 checkpoint: ``.base`` (``npusim.llm.Decoder``),
+    ``.draft`` (``npusim.llm.eagle3.Eagle3Draft``) and ``.model_dir``."""
+    from npusim.llm import Decoder
+    from npusim.llm.eagle3 import Eagle3Draft
+
+    return SimpleNamespace(base=Decoder.from_pretrained(eagle3_model_dir),
+                           draft=Eagle3Draft.from_pretrained(eagle3_model_dir / "eagle3_draft"),
+                           model_dir=eagle3_model_dir)

@@ -140,7 +140,12 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     from npusim import tinymodel
 
     try:
-        path = tinymodel.build(args.arch, Path(args.out), seed=args.seed)
+        if args.eagle3:
+            from npusim.tinymodel.eagle3 import build_eagle3
+
+            path = build_eagle3(Path(args.out), base_arch=args.arch, seed=args.seed)
+        else:
+            path = tinymodel.build(args.arch, Path(args.out), seed=args.seed)
     except ImportError as exc:
         print(f"npu-harness make-model: {exc} (install the 'models' extra)", file=sys.stderr)
         return 2
@@ -148,7 +153,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
         print(f"npu-harness make-model: {exc}", file=sys.stderr)
         return 2
     total = sum(f.stat().st_size for f in path.iterdir() if f.is_file())
-    print(f"{args.arch} model (seed {args.seed}) written to {path} ({total / 1e6:.2f} MB)")
+    what = f"{args.arch} EAGLE-3 base + draft (draft in {path / 'eagle3_draft'})" if args.eagle3 else f"{args.arch} model"
+    print(f"{what} (seed {args.seed}) written to {path} ({total / 1e6:.2f} MB)")
     return 0
 
 
@@ -179,6 +185,7 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
             max_cache_size=args.max_cache_size, max_width=args.max_width, core_mode=args.core_mode,
             prefill_chunk_size=_parse_chunk(args.prefill_chunk_size), output_logits=args.output_logits,
             memory_flexible=not args.memory_fixed, hub_proxy=args.hub_proxy, moe=_moe_options(args),
+            eagle3=_eagle3_options(args),
         )
     except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
         print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
@@ -187,8 +194,9 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
         print(f"npu-harness mxq compile: not built: {exc}", file=sys.stderr)
         return 2
     moe = (path / "mxq" / "lm_head.mxq").is_file()
-    print(f"MXQ artifact written to {path} ({'Mixture-of-Experts release: mxq/' if moe else 'model.mxq'}, "
-          "config.json, model.safetensors)")
+    kind = ("Mixture-of-Experts release: mxq/" if moe else
+            "EAGLE-3 release: mxq/base.mxq, draft.mxq, fc.mxq" if (path / "mxq" / "fc.mxq").is_file() else "model.mxq")
+    print(f"MXQ artifact written to {path} ({kind}, config.json, model.safetensors)")
     return 0
 
 
@@ -198,6 +206,16 @@ def _moe_options(args: argparse.Namespace) -> dict:
              "last_only": True if args.moe_last_only else None,
              "declare_output_order": True if args.moe_declare_output_order else None}
     return {k: v for k, v in given.items() if v is not None}
+
+
+def _eagle3_options(args: argparse.Namespace) -> dict | None:
+    """``compile_artifact``'s ``eagle3`` options from ``--eagle3`` / ``--eagle3-*`` (None: none given)."""
+    opts: dict = {}
+    if args.eagle3_tree is not None:
+        opts.update(zip(("tree_depth", "tree_top_k", "num_assistant_tokens"), args.eagle3_tree))
+    if args.eagle3_draft is not None:
+        opts["draft_dir"] = args.eagle3_draft
+    return opts if (opts or args.eagle3) else None
 
 
 def _cmd_rbln_architectures(args: argparse.Namespace) -> int:
@@ -355,6 +373,9 @@ def build_parser() -> argparse.ArgumentParser:
     mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe"))
     mm.add_argument("--out", required=True, metavar="DIR")
     mm.add_argument("--seed", type=int, default=0, metavar="N")
+    mm.add_argument("--eagle3", action="store_true",
+                    help="also build a one-block EAGLE-3 draft fitted to the base, in DIR/eagle3_draft "
+                         "(--arch llama, qwen2 or qwen3; the base gets 4 layers)")
     mm.set_defaults(func=_cmd_make_model)
 
     mxq = sub.add_parser("mxq", help="Mobilint MXQ artifacts for the npusim.mxq simulator")
@@ -386,6 +407,12 @@ def build_parser() -> argparse.ArgumentParser:
                      help="the last layer's shared MXQ emits only the last token")
     moe.add_argument("--moe-declare-output-order", action="store_true",
                      help="write moe_shared_output_order to config.json (else found by shape and scale)")
+    e3 = comp.add_argument_group("EAGLE-3 release (a llama/qwen2/qwen3 base with its draft in HF_DIR/eagle3_draft)")
+    e3.add_argument("--eagle3", action="store_true",
+                    help="write the EAGLE-3 release (base.mxq, draft.mxq, fc.mxq); implied by the other --eagle3-* flags")
+    e3.add_argument("--eagle3-tree", type=int, nargs=3, default=None, metavar=("DEPTH", "TOPK", "NUM_ASSISTANT_TOKENS"),
+                    help="the draft tree written to config.json and generation_config.json (default 5 8 64, the vendor's)")
+    e3.add_argument("--eagle3-draft", default=None, metavar="DIR", help="the draft checkpoint (default HF_DIR/eagle3_draft)")
     comp.set_defaults(func=_cmd_mxq_compile)
 
     rbln = sub.add_parser("rbln", help="Rebellions RBLN plugin (vllm_npu.rbln): architectures, AOT compile")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -264,6 +265,23 @@ def test_clock_advances_by_the_configured_costs(mxq_machine, mxq_artifact):
     assert a.device_clock_us() == pytest.approx(t + 7 + 3 * kib)
     a.load_cache_memory(blobs, 0)
     assert a.device_clock_us() == pytest.approx(t + 7 + 3 * kib + 7 + 5 * kib)
+
+
+def test_infer_costs_per_kind_replace_the_global_costs(mxq_machine, mxq_artifact, monkeypatch):
+    mxq_machine.configure(infer_fixed_us=1000, infer_us_per_token=10, io_fixed_us=0,
+                          infer_costs={"decoder": {"fixed_us": 300, "us_per_token": 2}, "eagle3_base": {"fixed_us": 1, "us_per_token": 1}})
+    m = _launch(mxq_artifact())
+    m.infer([_x(6)], None, 0)
+    assert m.device_clock_us() == 300 + 2 * 6
+    mxq_machine.configure(infer_costs={"eagle3_base": {"fixed_us": 1, "us_per_token": 1}})  # not this kind's
+    m.infer([_x(1)], None, 0)
+    assert m.device_clock_us() == 312 + 1000 + 10
+    for bad, rule in (({"decoder": {"fixed_us": 1}}, "infer_costs['decoder']"), ([1], "must be an object")):
+        with pytest.raises(ValueError, match=re.escape(rule)):
+            mxq_machine.configure(infer_costs=bad)
+    monkeypatch.setenv("NPUSIM_MXQ", '{"infer_costs": {"decoder": {"fixed_us": -1, "us_per_token": 0}}}')
+    with pytest.raises(ValueError, match=r"NPUSIM_MXQ: infer_costs\['decoder'\]=.*must be"):
+        mxq_machine.settings()
 
 
 def test_pace_sleeps_for_the_simulated_cost(mxq_machine, mxq_artifact):

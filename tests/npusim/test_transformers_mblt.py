@@ -364,3 +364,92 @@ def test_moe_expert_sum_in_finish_order_varies_run_to_run(sim, moe_release, gold
     finally:
         _dispose(model)
     assert len(set(runs)) > 1, "six runs gave bit-identical decode logits: expert finish order is not simulated"
+
+
+# ---------------------------------------------------------------------------------------- EAGLE-3
+EAGLE3_PROMPTS = (PROMPTS[0], PROMPTS[1], [(13 * i + 7) % 1000 + 1 for i in range(30)])  # the last: 2 chunks
+
+
+def _dispose_eagle3(model: Any) -> None:
+    """An EAGLE-3 model has no ``dispose`` of its own: each of its three backends has one."""
+    for part in (model.eagle3_base_model, model.eagle3_draft_model, model.eagle3_fc_projector):
+        part.dispose()
+
+
+def test_eagle3_rope_rows_are_the_vendors_table(qbruntime, eagle3_golden):
+    """transformers-mblt's own RoPE table (``CachedRotaryEmbedding``) is exactly the rows our
+    ``pack_rope_rows`` lays out: unpacked by the MXQ and packed again, every element returns bit
+    for bit (zero padding included), and the unpacked tables are the golden cos/sin."""
+    from transformers_mblt.utils.eagle3.eagle3_utils import CachedRotaryEmbedding
+
+    from npusim.mxq.eagle3_kinds import pack_rope_rows, unpack_rope_rows
+
+    for rope in (eagle3_golden.base.config.rope, eagle3_golden.draft.config.rope):
+        table = CachedRotaryEmbedding(rope.head_dim, 64, base=int(rope.theta)).position_table
+        cos, sin = unpack_rope_rows(table, rope.head_dim)
+        assert np.array_equal(pack_rope_rows(cos, sin), table)
+        want_cos, want_sin = rope.cos_sin(np.arange(64), dtype=np.float32)
+        np.testing.assert_allclose(cos, want_cos, atol=2e-6, rtol=0)
+        np.testing.assert_allclose(sin, want_sin, atol=2e-6, rtol=0)
+
+
+def test_eagle3_release_loads_unpatched(sim, eagle3_release):
+    """Every host weight of the release lands in transformers-mblt's module tree (none missing or
+    unexpected), and the tree shape comes from the release's generation_config.json."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(str(eagle3_release()), output_loading_info=True)
+    try:
+        assert type(model).__name__ == "MobilintLlamaEagle3ForCausalLM"
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+        model.configure_eagle3_tree()
+        draft = model.eagle3_draft_model
+        assert (draft.depth, draft.top_k, draft.max_draft_tokens) == (5, 8, 63)
+        assert draft.d2t.dtype == torch.int64 and draft.t2d.dtype == torch.bool and int(draft.t2d.sum()) == draft.d2t.numel()
+    finally:
+        _dispose_eagle3(model)
+
+
+@pytest.mark.parametrize("tree", [{}, {"tree_depth": 3, "tree_top_k": 4, "num_assistant_tokens": 10}])
+def test_eagle3_greedy_equals_the_base_greedy(sim, eagle3_release, eagle3_golden, tree):
+    """transformers-mblt's EAGLE-3 ``generate`` (unpatched, do_sample=False) on our release gives
+    the base's plain greedy continuation token for token."""
+    model = _load(eagle3_release(**tree))
+    try:
+        for prompt, new in zip(EAGLE3_PROMPTS, (8, 24, 40)):
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+            assert out[0, len(prompt):].tolist() == eagle3_golden.base.generate_greedy(prompt, new)
+    finally:
+        _dispose_eagle3(model)
+
+
+def test_eagle3_rounds_and_acceptance(sim, eagle3_release, eagle3_golden):
+    """The round API vllm-mblt serves with (``eagle3_prefill``, ``eagle3_decode_step``): the tokens
+    equal the base's greedy continuation, and the fitted draft settles more than one token per
+    round on average (printed: tokens per round)."""
+    from transformers_mblt.utils.cache_utils import MobilintEagle3Cache
+
+    model = _load(eagle3_release())
+    model.configure_eagle3_tree()
+    n = 40
+    try:
+        rates = []
+        for prompt in EAGLE3_PROMPTS:
+            cache = MobilintEagle3Cache(*model.get_cache_mxq_models())
+            cache.reset()
+            tokens = [int(model.eagle3_prefill(torch.tensor([prompt]), cache, max_new_tokens=n))]
+            per_round = []
+            while len(tokens) < n:
+                step = model.eagle3_decode_step(cache, max_new_tokens=n - len(tokens) + 1)
+                settled = step.tokens[0, 1:].tolist() + ([] if step.next_token is None else [int(step.next_token)])
+                per_round.append(len(settled))
+                tokens += settled
+                if step.next_token is None:
+                    break
+            assert tokens[:n] == eagle3_golden.base.generate_greedy(prompt, n)
+            rates.append(float(np.mean(per_round)))
+            print(f"EAGLE-3 acceptance, prompt of {len(prompt)}: {rates[-1]:.2f} tokens per round "
+                  f"over {len(per_round)} rounds {per_round}")
+        assert np.mean(rates) > 1.2
+    finally:
+        _dispose_eagle3(model)

@@ -14,19 +14,15 @@ log line saying unprefixed layout keys are not used).
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
 
+from _side_serve import SideServe  # noqa: E402
 from npu_conformance import vllm_server  # noqa: E402
 from vllm_npu.mblt.moe_backend import BATCH_REFUSAL  # noqa: E402
 from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING  # noqa: E402
@@ -35,56 +31,23 @@ N_NEW = 10
 PROMPTS = [[1, 5, 9, 33, 70, 2, 11], [(13 * i + 7) % 1000 + 1 for i in range(40)],
            [(7 * i + 3) % 1000 + 1 for i in range(100)]]
 MACHINE = json.dumps({"devices": 3})
-SIDE_TIMEOUT_S = 240
 CAPACITY = 4096  # the shared MXQs' KV capacity, as the release's (its config declares 40960)
 DECLARED = 40960
-
-
-class _Side:
-    """A ``vllm serve`` of the release expected to exit, or (``until``) to log a line, then stopped."""
-
-    def __init__(self, model: Path, args: list[str], log: Path, until: str | None = None) -> None:
-        cmd = [*vllm_server.vllm_command(), "serve", str(model), "--host", "127.0.0.1",
-               "--port", str(vllm_server.free_port()), *args]
-        self.log, self.until = log, until
-        self._fh = open(log, "w")  # noqa: SIM115 - closed in result()
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=vllm_server.vllm_env("mblt-sim", NPUSIM_MXQ=MACHINE))
-
-    def result(self) -> tuple[int | None, str]:
-        """(exit code, or None when ``until`` was logged first; the log)."""
-        deadline = time.monotonic() + SIDE_TIMEOUT_S
-        try:
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                if self.until and self.until in self.log.read_text(errors="replace"):
-                    return None, self.log.read_text(errors="replace")
-                time.sleep(0.5)
-            return self.proc.poll(), self.log.read_text(errors="replace")
-        finally:
-            self.stop()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            self.proc.wait(timeout=30)
-        if not self._fh.closed:
-            self._fh.close()
 
 
 @pytest.fixture(scope="module")
 def side_runs(moe_release, tmp_path_factory):
     root = tmp_path_factory.mktemp("moe-side")
     release = moe_release()
+    env = {"NPUSIM_MXQ": MACHINE}
     runs = {
-        "batch": _Side(release, ["--model-loader-extra-config", '{"max_batch_size": 2}'], root / "batch.log"),
-        "too_long": _Side(release, ["--max-model-len", "8192"], root / "too_long.log"),
-        "placed": _Side(release, ["--model-loader-extra-config",
-                                  json.dumps({"lm_head_target_cores": ["1:0:1"], "num_expert_workers": 4,
-                                              "expert_sum_order": "expert", "dev_no": 0})],
-                        root / "placed.log", until="MBLT MoE release:"),
+        "batch": SideServe(release, ["--model-loader-extra-config", '{"max_batch_size": 2}'], root / "batch.log",
+                           env=env),
+        "too_long": SideServe(release, ["--max-model-len", "8192"], root / "too_long.log", env=env),
+        "placed": SideServe(release, ["--model-loader-extra-config",
+                                      json.dumps({"lm_head_target_cores": ["1:0:1"], "num_expert_workers": 4,
+                                                  "expert_sum_order": "expert", "dev_no": 0})],
+                            root / "placed.log", until="MBLT MoE release:", env=env),
     }
     yield runs
     for run in runs.values():

@@ -3,7 +3,7 @@
 Issue 4 §3: completions and chat, streaming and not, with the ``openai`` client against a real
 server process; greedy token ids equal the golden decoder (``npusim.llm.Decoder``) and
 ``transformers``. Also: concurrency, the platform's request refusals (HTTP 400), the KV-capacity
-start-up check, bad ``--model-loader-extra-config``, a release kind not served yet (EAGLE-3),
+start-up check, bad ``--model-loader-extra-config``, a release kind not served yet (Qwen2-VL),
 the scheduler plan log, NPU event tracing
 (``VLLM_TORCH_PROFILER_DIR``) and ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0``.
 
@@ -103,7 +103,9 @@ def hf_greedy(artifacts):
 
 @pytest.fixture(scope="module")
 def tokenizer(artifacts):
-    return transformers.AutoTokenizer.from_pretrained(artifacts["main"])
+    # a str: once transformers-mblt is imported in this process (test_transformers_mblt.py), it parses
+    # Mobilint configs, and its from_dict keeps a Path argument in the config, which then fails to print
+    return transformers.AutoTokenizer.from_pretrained(str(artifacts["main"]))
 
 
 # ----------------------------------------------------------------------------- servers
@@ -175,17 +177,17 @@ class _Side:
 @pytest.fixture(scope="module")
 def side_runs(artifacts):
     root = artifacts["root"]
-    # an EAGLE-3 release's config (base + draft + fc MXQs, scaled down): a kind of release the
-    # plugin does not serve yet
-    eagle = root / "eagle3_release"
-    eagle.mkdir(exist_ok=True)
-    (eagle / "config.json").write_text(json.dumps({
-        "model_type": "mobilint-llama-eagle3", "architectures": ["MobilintLlamaEagle3ForCausalLM"],
-        "hidden_size": 128, "num_hidden_layers": 2, "base_mxq_path": "base.mxq", "draft_mxq_path": "draft.mxq",
-        "fc_mxq_path": "fc.mxq", "base_max_batch_size": 1,
+    # a Qwen2-VL release's config (vision + text MXQs, scaled down): a kind of release the plugin
+    # does not serve yet (issue 14)
+    vlm = root / "qwen2_vl_release"
+    vlm.mkdir(exist_ok=True)
+    (vlm / "config.json").write_text(json.dumps({
+        "model_type": "mobilint-qwen2_vl", "architectures": ["MobilintQwen2VLForConditionalGeneration"],
+        "hidden_size": 128, "num_hidden_layers": 2, "vision_mxq_path": "vision.mxq", "text_mxq_path": "text.mxq",
+        "text_max_batch_size": 1,
     }))
     runs = {
-        "unbuilt_release": _Side(eagle, [], root / "eagle3_release.log"),
+        "unbuilt_release": _Side(vlm, [], root / "qwen2_vl_release.log"),
         "too_long": _Side(artifacts["small"], ["--max-model-len", "512"], root / "too_long.log"),
         # the seed's quick-start command (no --max-model-len) on an artifact whose config declares
         # more positions (1024) than its MXQ holds (256): it must start, clamped
@@ -662,13 +664,13 @@ def test_bad_loader_extra_config_refuses_to_start(side_runs):
 
 
 def test_unbuilt_release_kind_refuses_to_start_naming_the_issue(side_runs):
-    """An EAGLE-3 release (served by vllm-mblt, not by this plugin yet) stops before vLLM parses
-    its config, with NotImplementedError naming the kind and issue 13, not an unknown-model error."""
+    """A Qwen2-VL release (served by vllm-mblt, not by this plugin yet) stops before vLLM parses
+    its config, with NotImplementedError naming the kind and issue 14, not an unknown-model error."""
     code, log = side_runs["unbuilt_release"].wait()
     assert code is not None and code != 0, log[-3000:]
     assert "MobilintReleaseNotBuilt" in log, log[-3000:]
-    assert ("model_type 'mobilint-llama-eagle3' is an EAGLE-3 speculative-decoding release (Llama base), which "
-            "vllm-mblt serves and the MBLT plugin does not yet (issue 13)") in log, log[-3000:]
+    assert ("model_type 'mobilint-qwen2_vl' is a vision-language (Qwen2-VL) release, which "
+            "vllm-mblt serves and the MBLT plugin does not yet (issue 14)") in log, log[-3000:]
 
 
 def test_core_mode_override_picks_its_chunk(side_runs):

@@ -36,6 +36,8 @@ from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, ArtifactUnavaila
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 #: A Mobilint Mixture-of-Experts release directory (e.g. mobilint/Qwen3-30B-A3B) for ``mblt-hw``.
 MOE_RELEASE_ENV = "NPU_HARNESS_MBLT_MOE_RELEASE"
+#: On ``mblt-hw``: the directory of a Mobilint EAGLE-3 release (``eagle3_*`` scenarios).
+EAGLE3_RELEASE_ENV = "NPU_HARNESS_MBLT_EAGLE3_RELEASE"
 #: Cards the simulated MoE release is placed on (the release's default placement: 3).
 MOE_DEVICES = 3
 CONFIG_MARK = "NPU_HARNESS_CONFIG "
@@ -77,6 +79,8 @@ class MbltLab(DeviceLab):
     _golden: Any = None
     _moe: Path | None = None
     _moe_golden: Any = None
+    _eagle3: Path | None = None
+    _eagle3_golden: Any = None
 
     device: ClassVar[str] = "mblt"
     max_model_len: ClassVar[int] = 1024
@@ -253,6 +257,43 @@ class MbltLab(DeviceLab):
     def moe_env(self) -> dict[str, str]:
         """The environment a MoE server needs: on the simulator, :data:`MOE_DEVICES` cards."""
         return {"NPUSIM_MXQ": json.dumps({"devices": MOE_DEVICES})} if self.simulated else {}
+
+    # ------------------------------------------------------------------ EAGLE-3
+    def eagle3_release(self) -> Path:
+        """An EAGLE-3 release: on ``mblt-sim`` the tiny fitted EAGLE-3 checkpoint
+        (``make-model --eagle3``: a 4-layer Llama base and its one-block draft) compiled by
+        ``mxq compile`` in the release layout (the vendor's tree 5/8/64, chunk 64); on
+        ``mblt-hw`` the directory ``NPU_HARNESS_MBLT_EAGLE3_RELEASE`` names.
+
+        Raises:
+            ArtifactUnavailable: on hardware, the variable is not set.
+        """
+        if self._eagle3 is None:
+            if self.simulated:
+                from npusim.mxq.compile import compile_artifact
+                from npusim.tinymodel.eagle3 import build_eagle3
+
+                hf = build_eagle3(self.workdir / "tiny-eagle3")
+                self._eagle3 = compile_artifact(hf, self.workdir / "eagle3-release", prefill_chunk_size=64,
+                                                hub_proxy=self.hub_proxy, eagle3={})
+            else:
+                raw = os.environ.get(EAGLE3_RELEASE_ENV, "")
+                if not raw:
+                    raise ArtifactUnavailable(f"set {EAGLE3_RELEASE_ENV} to a Mobilint EAGLE-3 release directory")
+                self._eagle3 = Path(raw)
+        return self._eagle3
+
+    def eagle3_golden(self):
+        """The golden decoder of the simulated EAGLE-3 release's base (None on hardware): speculation
+        must not change greedy output, so the base's plain greedy decoding is the reference."""
+        if not self.simulated:
+            return None
+        if self._eagle3_golden is None:
+            from npusim.llm import Decoder
+
+            self.eagle3_release()
+            self._eagle3_golden = Decoder.from_pretrained(self.workdir / "tiny-eagle3")
+        return self._eagle3_golden
 
     # ------------------------------------------------------------------ vLLM
 

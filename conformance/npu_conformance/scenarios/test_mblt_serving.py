@@ -28,6 +28,12 @@ OpenAI-compatible HTTP API, the way a plugin engineer would on a board:
   capacity, an explicit larger value refused naming it) and ``moe_placement_overrides``
   (prefixed role keys move the lm_head and set the expert workers; unprefixed keys are logged
   as unused).
+* EAGLE-3 releases (issue 13 §2; on ``mblt-hw`` the release named by
+  ``NPU_HARNESS_MBLT_EAGLE3_RELEASE``): ``eagle3_greedy`` (equal to the base's plain greedy
+  decoding on the simulator; a rerun agrees on a board), ``eagle3_streaming_arrives_in_rounds``
+  (chunks of several tokens, the same tokens), ``eagle3_request_refusals`` (400 naming each
+  parameter but temperature/top_k/top_p) and ``eagle3_start_rules`` (batch refused, prefix
+  caching off, one sequence).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ import pytest
 from npu_conformance.devices.base import ArtifactUnavailable
 from npu_conformance.devices.base import random_prompts as _prompts
 from npu_conformance.vllm_server import completion_ids
+from npu_conformance import vllm_server as vs
 
 pytestmark = pytest.mark.scenario(devices=("mblt",))
 
@@ -325,3 +332,108 @@ def test_moe_placement_overrides(target, record, device_labs):
     assert f"lm_head on device {lm_dev}; 4 expert workers" in log, log[-3000:]
     assert "unprefixed layout keys ['dev_no'] are not used for Mixture-of-Experts releases" in log, log[-3000:]
     record.figure("lm_head_device", lm_dev)
+
+
+# ------------------------------------------------------------------ EAGLE-3 releases
+
+#: Request parameters an EAGLE-3 server refuses (HTTP 400 naming the parameter): it samples with
+#: temperature, top_k and top_p only (the seed's "Serve an EAGLE-3 Model"). ``min_p`` comes with a
+#: temperature: vLLM drops it from greedy requests before any platform sees it.
+EAGLE3_REFUSED: tuple[tuple[str, dict], ...] = (
+    ("logprobs", {"logprobs": 2}),
+    ("prompt_logprobs", {"prompt_logprobs": 1}),
+    ("presence_penalty", {"presence_penalty": 0.5}),
+    ("frequency_penalty", {"frequency_penalty": 0.5}),
+    ("repetition_penalty", {"repetition_penalty": 1.3}),
+    ("min_p", {"min_p": 0.2, "temperature": 0.8}),
+    ("min_tokens", {"min_tokens": 3}),
+    ("seed", {"seed": 7, "temperature": 0.8}),
+    ("logit_bias", {"logit_bias": {"5": 2.0}}),
+    ("allowed_token_ids", {"allowed_token_ids": [5, 6, 7]}),
+    ("bad_words", {"bad_words": ["zebra"]}),
+    ("structured_outputs", {"structured_outputs": {"choice": ["yes", "no"]}}),
+)
+
+
+def _eagle3(lab):
+    try:
+        return lab.eagle3_release()
+    except ArtifactUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def test_eagle3_greedy(target, record, device_labs):
+    """Speculation must not change greedy output: on the simulator every completion equals the
+    base's plain greedy decoding token for token (max_tokens cutting rounds at several points)."""
+    lab = _lab(device_labs, target)
+    release = _eagle3(lab)
+    server = lab.server(release, [])
+    prompts = _prompts(3, 60, seed=47)
+    lengths = (24, 7, 13)
+    got = [completion_ids(server.complete(p, n, return_token_ids=True, ignore_eos=True)) for p, n in zip(prompts, lengths)]
+    assert [len(g) for g in got] == list(lengths)
+    golden = lab.eagle3_golden()
+    if golden is not None:
+        assert got == [golden.generate_greedy(p, n) for p, n in zip(prompts, lengths)]
+    else:  # a board: greedy is deterministic, so a rerun must agree
+        again = [completion_ids(server.complete(p, n, return_token_ids=True, ignore_eos=True))
+                 for p, n in zip(prompts, lengths)]
+        assert again == got
+    record.figure("prompts", len(prompts))
+
+
+def test_eagle3_streaming_arrives_in_rounds(target, record, device_labs):
+    """Each engine step returns all of a speculative round's tokens, so a stream arrives a few
+    tokens per chunk; the streamed tokens are the non-streamed completion's."""
+    lab = _lab(device_labs, target)
+    release = _eagle3(lab)
+    server = lab.server(release, [])
+    prompt = _prompts(1, 50, seed=53)[0]
+    want = completion_ids(server.complete(prompt, 40, return_token_ids=True, ignore_eos=True))
+    chunks: list[list[int]] = []
+    for obj in vs.stream_lines(server, "/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": 40,
+                                                            "temperature": 0.0, "ignore_eos": True,
+                                                            "return_token_ids": True}):
+        ids = (obj.get("choices") or [{}])[0].get("token_ids")
+        if ids:
+            chunks.append(list(ids))
+    assert [t for c in chunks for t in c] == want
+    assert max(len(c) for c in chunks) > 1, f"every chunk carried one token: {chunks}"
+    record.figure("chunks", len(chunks))
+    record.figure("tokens_per_chunk", round(len(want) / len(chunks), 2))
+
+
+def test_eagle3_request_refusals(target, record, device_labs):
+    """Every sampling parameter but temperature, top_k and top_p gets HTTP 400 naming it; the
+    server keeps serving (greedy, and sampling with temperature/top_k/top_p)."""
+    lab = _lab(device_labs, target)
+    release = _eagle3(lab)
+    server = lab.server(release, [])
+    prompt = _prompts(1, 20, seed=59)[0]
+    served: list[str] = []  # every parameter not refused with a 400 naming it, in order
+    for name, params in EAGLE3_REFUSED:
+        res = server.complete(prompt, 4, **params)
+        if res.status != 400 or name not in json.dumps(res.body):
+            served.append(f"{name} (HTTP {res.status})")
+    assert not served, f"not refused with a 400 naming it: {', '.join(served)}"
+    sampled = server.complete(prompt, 12, temperature=0.9, top_k=20, top_p=0.9, return_token_ids=True, ignore_eos=True)
+    assert len(completion_ids(sampled)) == 12
+    golden = lab.eagle3_golden()
+    got = completion_ids(server.complete(prompt, 10, return_token_ids=True, ignore_eos=True))
+    if golden is not None:
+        assert got == golden.generate_greedy(prompt, 10)
+    assert server.healthy()
+    record.figure("refused_parameters", len(EAGLE3_REFUSED))
+
+
+def test_eagle3_start_rules(target, record, device_labs):
+    """One sequence per base MXQ: a configured max_batch_size above 1 stops the server naming it;
+    prefix caching is off and max_num_seqs is 1 (every request feeds its whole prompt)."""
+    lab = _lab(device_labs, target)
+    release = _eagle3(lab)
+    log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"max_batch_size": 2})])
+    assert "EAGLE-3 models serve one sequence per base MXQ, but max_batch_size=2 was configured." in log, log[-3000:]
+    [cfg] = lab.engine_configs([["--model", str(release), "--enable-prefix-caching"]])
+    assert "error" not in cfg, cfg
+    assert cfg["enable_prefix_caching"] is False and cfg["max_num_seqs"] == 1, cfg
+    record.figure("max_model_len", cfg["max_model_len"])

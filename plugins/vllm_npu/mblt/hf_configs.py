@@ -42,3 +42,23 @@ class MobilintQwen3MoEConfig(Qwen3MoeConfig):
     ``moe_mxq_pack_index``...) are kept as attributes for :mod:`vllm_npu.mblt.moe_backend`."""
 
     model_type = "mobilint-qwen3_moe"
+
+
+class MobilintLlamaEagle3Config(LlamaConfig):
+    """``LlamaConfig`` of a Mobilint EAGLE-3 release on a Llama base (``model_type``
+    ``mobilint-llama-eagle3``); ``draft_config`` (a LlamaConfig dict), the ``base_``/``draft_``/``fc_``
+    role keys and the tree keys are kept as attributes for :mod:`vllm_npu.mblt.eagle3_backend`."""
+
+    model_type = "mobilint-llama-eagle3"
+
+
+class MobilintQwen2Eagle3Config(Qwen2Config):
+    """``Qwen2Config`` of a Mobilint EAGLE-3 release on a Qwen2 base (``mobilint-qwen2-eagle3``)."""
+
+    model_type = "mobilint-qwen2-eagle3"
+
+
+class MobilintQwen3Eagle3Config(Qwen3Config):
+    """``Qwen3Config`` of a Mobilint EAGLE-3 release on a Qwen3 base (``mobilint-qwen3-eagle3``)."""
+
+    model_type = "mobilint-qwen3-eagle3"

@@ -12,7 +12,7 @@ both have to be known in every vLLM process:
   checks. The MBLT worker never builds it: the model runs inside the MXQ, through the
   runtime API. Building it raises :class:`MobilintModelNotBuildable`.
 - :func:`refuse_unbuilt_release`: a release of a kind vllm-mblt serves and this plugin does not
-  yet (:data:`NOT_BUILT_MODEL_TYPES`: EAGLE-3, VLM, ASR) is refused before vLLM parses
+  yet (:data:`NOT_BUILT_MODEL_TYPES`: VLM, ASR) is refused before vLLM parses
   its config, with :class:`MobilintReleaseNotBuilt` naming the issue that builds it (otherwise
   vLLM would stop on an unknown model type or architecture, which says nothing of why).
 """
@@ -33,14 +33,14 @@ TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mobilint-qwen3": ("MobilintQwen3ForCausalLM", "MobilintQwen3Config"),
     "mobilint-exaone4": ("MobilintExaone4ForCausalLM", "MobilintExaone4Config"),
     "mobilint-qwen3_moe": ("MobilintQwen3MoEForCausalLM", "MobilintQwen3MoEConfig"),
+    "mobilint-llama-eagle3": ("MobilintLlamaEagle3ForCausalLM", "MobilintLlamaEagle3Config"),
+    "mobilint-qwen2-eagle3": ("MobilintQwen2Eagle3ForCausalLM", "MobilintQwen2Eagle3Config"),
+    "mobilint-qwen3-eagle3": ("MobilintQwen3Eagle3ForCausalLM", "MobilintQwen3Eagle3Config"),
 }
 
 #: Mobilint release model types that vllm-mblt 0.8.0 serves and this plugin does not yet ->
 #: (what the release is, the issue that builds it).
 NOT_BUILT_MODEL_TYPES: dict[str, tuple[str, int]] = {
-    "mobilint-llama-eagle3": ("an EAGLE-3 speculative-decoding release (Llama base)", 13),
-    "mobilint-qwen2-eagle3": ("an EAGLE-3 speculative-decoding release (Qwen2 base)", 13),
-    "mobilint-qwen3-eagle3": ("an EAGLE-3 speculative-decoding release (Qwen3 base)", 13),
     "mobilint-qwen2_vl": ("a vision-language (Qwen2-VL) release", 14),
     "mobilint-qwen3_vl": ("a vision-language (Qwen3-VL) release", 14),
     "mobilint-qwen3_asr": ("a speech-to-text (Qwen3-ASR) release", 14),

@@ -12,11 +12,15 @@ whose job is configuration:
 - ``max_num_seqs`` from the artifact's ``max_batch_size`` and chunked prefill from its
   ``npu_prefill_chunk_size`` (:func:`vllm_npu.mblt.settings.plan_scheduler`);
 - requests the worker cannot honour are refused in :meth:`MbltPlatform.validate_request`
-  (vLLM answers them with HTTP 400).
+  (vLLM answers them with HTTP 400);
+- an EAGLE-3 release (:func:`_eagle3_rules`): one sequence (``max_batch_size`` above 1 refused,
+  ``max_num_seqs`` 1), prefix caching off, ``max_model_len`` within
+  :func:`eagle3_max_model_len`, requests sampling with temperature, top_k and top_p only.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import Any
@@ -95,6 +99,98 @@ def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: 
         model_config.max_model_len = capacity
 
 
+def eagle3_max_model_len(base_capacity: int, draft_capacity: int, depth: int, top_k: int) -> int:
+    """The largest ``max_model_len`` an EAGLE-3 release serves: ``min(base_capacity,
+    draft_capacity - (depth - 1) * top_k + 2)`` tokens.
+
+    Why (``vllm_npu.mblt.eagle3_round``): with ``L`` = tokens known (prompt and outputs, the next
+    root included) a round feeds the base the previous round's accepted tokens again and the tree
+    at ``cache_size = L - 1 - a``, so it writes up to ``L + N``, and the tree's ``N`` nodes are capped
+    by the budget left (``N <= max_model_len - L``): the base never writes past ``max_model_len``.
+    The draft's tree levels write ``(depth - 1) * top_k`` positions past its committed ``L - 1``
+    tokens whatever ``N`` is, and a tree is grown only while ``L <= max_model_len - 1``: the draft
+    writes up to ``max_model_len - 2 + (depth - 1) * top_k``. (transformers-mblt grows a tree
+    even when the budget is spent; the plugin does not, which changes no token.)
+    """
+    return max(1, min(int(base_capacity), int(draft_capacity) - (int(depth) - 1) * int(top_k) + 2))
+
+
+def _eagle3_capacity(model_dir: str, artifact: dict[str, Any], overrides: Any) -> tuple[int, str]:
+    """``(largest max_model_len, what it comes from)`` of an EAGLE-3 release, reading the base and
+    draft MXQs' KV capacities from never-launched Models.
+
+    Raises:
+        Exception: the release or the runtime cannot be read (the caller decides).
+    """
+    from vllm_npu.mblt.backend import kv_capacity
+    from vllm_npu.mblt.eagle3_backend import Eagle3Release, loader_layout
+    from vllm_npu.mblt.runtime import load_runtime
+    from vllm_npu.targets import selected_target
+
+    release = Eagle3Release.read(model_dir, artifact, loader_layout(overrides))
+    runtime = load_runtime(selected_target())
+    base = kv_capacity(runtime, str(release.paths["base"]))
+    draft = kv_capacity(runtime, str(release.paths["draft"]))
+    limit = eagle3_max_model_len(base, draft, release.depth, release.top_k)
+    return limit, (f"the EAGLE-3 base MXQ's KV capacity ({base}) and the draft MXQ's ({draft}) less its tree "
+                   f"levels' headroom ((depth {release.depth} - 1) x top_k {release.top_k} - 2)")
+
+
+def _eagle3_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any, user: dict[str, Any]) -> None:
+    """An EAGLE-3 release: one sequence per base MXQ, the release's tree and capacities.
+
+    Raises:
+        vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1 (from the loader extra
+            config, config.json's ``base_max_batch_size`` / ``max_batch_size`` /
+            ``npu_max_batch_size``), or a bad role layout key.
+    """
+    from vllm_npu.mblt import eagle3_backend, settings
+
+    n = settings.resolve_max_batch_size(overrides, artifact)
+    base_n = overrides.extra.get("base_max_batch_size", artifact.get("base_max_batch_size"))
+    for value in (n, base_n):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value > 1):
+            raise settings.MbltConfigError(eagle3_backend.BATCH_REFUSAL.format(n=value))
+    if user["max_model_len"] is not None:
+        return  # an explicit value over the capacity is refused by the worker, naming both numbers
+    try:
+        limit, what = _eagle3_capacity(vllm_config.model_config.model, artifact, overrides)
+    except Exception as exc:  # noqa: BLE001 - the worker loads the release again and raises its error
+        logger.debug("MBLT platform: EAGLE-3 capacities not read here (%s)", exc)
+        return
+    model_config = vllm_config.model_config
+    if model_config.max_model_len > limit:
+        logger.warning("MBLT platform: max_model_len clamped from %d (the release's config) to %d, from %s; pass "
+                       "--max-model-len to choose a value up to it", model_config.max_model_len, limit, what)
+        model_config.max_model_len = limit
+
+
+EAGLE3_PREFIX_CACHE_OFF = "Disabling prefix caching for EAGLE-3: every request feeds its whole prompt."
+EAGLE3_REQUEST_REFUSAL = "EAGLE-3 models sample with temperature, top_k and top_p only; unsupported here: {names}."
+EAGLE3_PROMPT_REFUSAL = "EAGLE-3 models take token prompts only, without prompt embeddings or multimodal data."
+
+
+def _eagle3_refusals(params: Any) -> list[str]:
+    """The sampling parameters of ``params`` an EAGLE-3 round cannot honour, in vllm-mblt's order."""
+    checks = (
+        ("logprobs", params.logprobs is not None),
+        ("prompt_logprobs", params.prompt_logprobs is not None),
+        ("presence_penalty", bool(params.presence_penalty)),
+        ("frequency_penalty", bool(params.frequency_penalty)),
+        ("repetition_penalty", params.repetition_penalty != 1.0),
+        ("min_p", bool(params.min_p and params.min_p > 0)),
+        ("min_tokens", bool(params.min_tokens and params.min_tokens > 0)),
+        ("seed", params.seed is not None),
+        ("logit_bias", bool(params.logit_bias)),
+        ("allowed_token_ids", bool(params.allowed_token_ids)),
+        ("bad_words", bool(params.bad_words)),
+        ("logits_processors", bool(getattr(params, "logits_processors", None))),
+        ("structured_outputs", params.structured_outputs is not None),
+        ("n", (params.n or 1) > 1),
+    )
+    return [name for name, refused in checks if refused]
+
+
 def _moe_rules(artifact: dict[str, Any], overrides: Any) -> None:
     """A Mixture-of-Experts release: one sequence at a time, placement by role (its
     ``max_model_len`` is clamped as any artifact's: :func:`_clamp_max_model_len`).
@@ -153,11 +249,16 @@ class MbltPlatform(NpuPlatform):
                                           "max_num_batched_tokens": sched.max_num_batched_tokens,
                                           "max_model_len": vllm_config.model_config.max_model_len}
         artifact = artifact_config(vllm_config)
+        from vllm_npu.mblt.eagle3_backend import is_eagle3_release
         from vllm_npu.mblt.moe_backend import is_moe_release
 
+        eagle3 = is_eagle3_release(artifact)
+        cls._serving_eagle3 = eagle3
         if is_moe_release(artifact):
             _moe_rules(artifact, overrides)
-        if user["max_model_len"] is None:
+        if eagle3:
+            _eagle3_rules(vllm_config, artifact, overrides, user)
+        elif user["max_model_len"] is None:
             _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
             artifact,
@@ -167,6 +268,14 @@ class MbltPlatform(NpuPlatform):
             user_block_size=cache.block_size if cache.user_specified_block_size else None,
             user_enable_prefix_caching=cache.enable_prefix_caching,
         )
+        if eagle3:
+            if plan.max_num_seqs > 1:
+                logger.warning("MBLT platform: max_num_seqs clamped from %d to 1: EAGLE-3 models serve one sequence "
+                               "per base MXQ", plan.max_num_seqs)
+            if plan.enable_prefix_caching:
+                logger.info(EAGLE3_PREFIX_CACHE_OFF)
+            plan = dataclasses.replace(plan, max_num_seqs=1, max_num_batched_tokens=plan.max_num_batched_tokens
+                                       // max(1, plan.max_num_seqs), enable_prefix_caching=False)
         cache.block_size = plan.block_size
         cache.enable_prefix_caching = plan.enable_prefix_caching
         sched.enable_chunked_prefill = True
@@ -200,9 +309,36 @@ class MbltPlatform(NpuPlatform):
 
         parser.set_defaults(profiler_config=ProfilerConfig(profiler="torch", torch_profiler_dir=trace_dir))
 
+    #: Whether this process configured an EAGLE-3 release (the fallback of :meth:`_eagle3_engine`).
+    _serving_eagle3 = False
+
+    @classmethod
+    def _eagle3_engine(cls) -> bool:
+        """Whether the engine validating a request serves an EAGLE-3 release: the caller's
+        ``model_config`` (vLLM's ``InputProcessor``), else what :meth:`configure` saw."""
+        import sys
+
+        from vllm_npu.mblt.eagle3_backend import EAGLE3_MODEL_TYPES
+
+        frame = sys._getframe(2)
+        for _ in range(3):
+            if frame is None:
+                break
+            owner = frame.f_locals.get("self")
+            model_config = getattr(owner, "model_config", None)
+            hf = getattr(model_config, "hf_config", None)
+            if hf is not None:
+                return getattr(hf, "model_type", None) in EAGLE3_MODEL_TYPES
+            frame = frame.f_back
+        return cls._serving_eagle3
+
     @classmethod
     def validate_request(cls, processed_inputs: Any, params: Any) -> None:
         """Refuse what the MBLT worker would otherwise ignore (vLLM answers HTTP 400).
+
+        On an EAGLE-3 release only temperature, top_k and top_p sample (with ``max_tokens``,
+        ``stop``, stop ids, ``ignore_eos`` and ``n`` 1): every other parameter vllm-mblt refuses is
+        refused, named, and so are prompt embeddings and multimodal data.
 
         Raises:
             MbltRequestError: pooling requests, prompt embeddings, structured outputs,
@@ -211,8 +347,29 @@ class MbltPlatform(NpuPlatform):
                 ``thinking_token_budget`` (each named). Prompt logprobs are served
                 (:mod:`vllm_npu.mblt.prompt_logprobs`).
         """
+        if cls._eagle3_engine():
+            cls._validate_eagle3(processed_inputs, params)
+            return
         refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError,
                          serves_prompt_logprobs=True)
+
+    @staticmethod
+    def _validate_eagle3(processed_inputs: Any, params: Any) -> None:
+        """Raises: MbltRequestError: as :meth:`validate_request` says for EAGLE-3 (``parameter`` is
+        the first refused one)."""
+        from vllm.sampling_params import SamplingParams
+
+        if not isinstance(params, SamplingParams):
+            raise MbltRequestError("EAGLE-3 models serve text generation only (no pooling requests)")
+        if isinstance(processed_inputs, dict) and (
+                processed_inputs.get("type") in ("embeds", "multimodal")
+                or processed_inputs.get("prompt_embeds") is not None or processed_inputs.get("mm_kwargs")):
+            raise MbltRequestError(EAGLE3_PROMPT_REFUSAL, parameter="prompt_embeds"
+                                   if processed_inputs.get("type") == "embeds"
+                                   or processed_inputs.get("prompt_embeds") is not None else "multi_modal_data")
+        refused = _eagle3_refusals(params)
+        if refused:
+            raise MbltRequestError(EAGLE3_REQUEST_REFUSAL.format(names=", ".join(refused)), parameter=refused[0])
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -46,6 +46,7 @@ from vllm_npu.host_sampling import num_logprobs, request_generator, scatter_logp
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
+from vllm_npu.mblt.eagle3_backend import Eagle3Backend, Eagle3Release, is_eagle3_release, loader_layout
 from vllm_npu.mblt.moe_backend import BATCH_REFUSAL, MoeBackend, MoePlacement, is_moe_release
 from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
@@ -153,6 +154,8 @@ class MbltWorker(NpuWorker):
         self.pc_settings = pc.prefix_cache_settings(os.environ, self.overrides.prefix_cache)
         self.cost_model = pc.PrefixCacheCostModel(self.pc_settings)
         self.backend: MbltBackend | None = None
+        #: an EAGLE-3 release's runner (:mod:`vllm_npu.mblt.eagle3_serving`); None otherwise
+        self.eagle3 = None
         self.reqs: dict[str, _Req] = {}
         self.free_vslots: list[int] = list(range(self.max_batch_size))
         self.snapshots: pc.SnapshotIndex[RequestKV] = pc.SnapshotIndex(pc.MAX_FINISHED_SNAPSHOTS)
@@ -196,6 +199,9 @@ class MbltWorker(NpuWorker):
             )
         runtime = load_runtime(target)
         model_dir = self.model_config.model
+        if is_eagle3_release(self.artifact):
+            self._load_eagle3(runtime, model_dir)
+            return
         if is_moe_release(self.artifact):
             if self.max_batch_size > 1:
                 raise settings.MbltConfigError(BATCH_REFUSAL.format(n=self.max_batch_size))
@@ -228,6 +234,36 @@ class MbltWorker(NpuWorker):
                 raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
             raise
         self._finish_load(backend, runtime, f"the loaded MXQ {mxq_path}")
+
+    def _load_eagle3(self, runtime: Any, model_dir: str) -> None:
+        """An EAGLE-3 release: its three MXQs and the round runner (:mod:`vllm_npu.mblt.eagle3_serving`),
+        which serves every step; no slot table, snapshots or host sampler.
+
+        Raises:
+            vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1, or ``max_model_len``
+                above what the base and draft KV capacities serve
+                (:func:`vllm_npu.mblt.platform.eagle3_max_model_len`; both numbers named).
+            vllm_npu.mblt.eagle3_backend.Eagle3ReleaseError: the release breaks its layout.
+        """
+        from vllm_npu.mblt.eagle3_backend import BATCH_REFUSAL as EAGLE3_BATCH_REFUSAL
+        from vllm_npu.mblt.eagle3_serving import Eagle3Runner
+        from vllm_npu.mblt.platform import eagle3_max_model_len
+
+        release = Eagle3Release.read(model_dir, self.artifact, loader_layout(self.overrides))
+        n = max(self.max_batch_size, release.max_batch_size or 1)
+        if n > 1:
+            raise settings.MbltConfigError(EAGLE3_BATCH_REFUSAL.format(n=n))
+        backend = Eagle3Backend.create(runtime, release, self._device_name("base_target_device"))
+        limit = eagle3_max_model_len(backend.base_capacity, backend.draft_capacity, release.depth, release.top_k)
+        if self.max_model_len > limit:
+            backend.dispose()
+            raise settings.MbltConfigError(
+                f"max_model_len={self.max_model_len} exceeds what the EAGLE-3 release serves: {limit} tokens (the base "
+                f"MXQ holds {backend.base_capacity} tokens of KV; the draft MXQ {backend.draft_capacity}, of which its "
+                f"tree levels need (depth {release.depth} - 1) x top_k {release.top_k} - 2 past the sequence). "
+                f"Pass --max-model-len {limit} or lower.")
+        self.runtime = runtime
+        self.eagle3 = Eagle3Runner(backend, self.max_model_len)
 
     def _device_name(self, key: str) -> str:
         """The qbruntime device family config.json's ``key`` names (``aries-rb`` -> ``aries``; default ``aries``)."""
@@ -326,7 +362,7 @@ class MbltWorker(NpuWorker):
             raise MbltWorkerError(f"GPU Blocks mismatch: expected {self._num_blocks()}, got {num_gpu_blocks}")
 
     def check_health(self) -> None:
-        if self.backend is None:
+        if self.backend is None and self.eagle3 is None:
             raise MbltWorkerError("MBLT Accelerator/Model is not initialized.")
 
     def get_cache_block_size_bytes(self) -> int:
@@ -358,6 +394,10 @@ class MbltWorker(NpuWorker):
         if self.backend is not None:
             self.backend.dispose()
             self.backend = None
+        if self.eagle3 is not None:
+            self.eagle3.shutdown()
+            self.eagle3.backend.dispose()
+            self.eagle3 = None
         if self.table is not None:
             self.table.clear()
         self.reqs.clear()
@@ -511,6 +551,8 @@ class MbltWorker(NpuWorker):
         from vllm.v1.outputs import ModelRunnerOutput
 
         so = scheduler_output
+        if self.eagle3 is not None:
+            return self.eagle3.execute(so)
         for rid in so.finished_req_ids:
             self._finish(rid)
         for rid in so.preempted_req_ids or ():

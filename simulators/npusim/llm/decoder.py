@@ -58,7 +58,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import ModelConfig, load_config
-from .errors import CheckpointError, KVCacheOverflowError
+from .errors import CheckpointError, KVCacheOverflowError, UnsupportedModelError
 from .kvcache import KVCache
 from .qlinear import FusedQ4Linear, UnsupportedLinearError, check_linear_kind
 from .rope import apply_rope
@@ -437,8 +437,70 @@ class Decoder:
             y += b
         return y.astype(self.dtype)
 
-    def _forward(self, xs: list[np.ndarray], caches: list[KVCache]) -> list[np.ndarray]:
-        """Run the flattened chunks ``xs`` (embeddings, not yet multiplied) against their caches."""
+    def forward_tree(self, embeds: np.ndarray, cache: KVCache, cos: np.ndarray, sin: np.ndarray,
+                     hidden: np.ndarray, taps: Sequence[int] = ()) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Like :meth:`forward_embeddings`, with each row's RoPE and visibility given explicitly
+        (speculative decoding: a draft tree's nodes share positions and see only their ancestors).
+
+        The ``T`` rows' keys and values are written at ``[cache.length, cache.length + T)``
+        and the cache advances by ``T``, as for any forward.
+
+        Args:
+            embeds: ``[T, hidden_size]`` input embeddings, ``T >= 1``.
+            cache: the KV cache (its ``length`` is where the rows are written).
+            cos, sin: ``[T, head_dim]`` RoPE tables of each row's position (rounded to the
+                decoder dtype, as transformers does with its own tables).
+            hidden: ``[T, cache.length + T]`` booleans, true where row ``t`` must not see key ``j``.
+            taps: layer indices in ``[0, num_hidden_layers]``: the residual stream entering that
+                layer (``num_hidden_layers``: the last layer's output, before the final norm),
+                EAGLE-3's auxiliary hidden states.
+
+        Returns:
+            ``(logits [T, vocab_size] float32, [tap [T, hidden_size] float32 per entry of taps])``.
+
+        Raises:
+            ValueError: a shape that differs from the ones above (both named), a tap outside
+                its range.
+            UnsupportedModelError: the model has sliding-window layers (their window would be
+                ignored by an explicit mask).
+            KVCacheOverflowError: the rows do not fit (nothing is written).
+        """
+        c = self.config
+        x = np.asarray(embeds)
+        if x.ndim != 2 or x.shape[1] != c.hidden_size or x.shape[0] < 1:
+            raise ValueError(f"expected embeddings of shape [T, {c.hidden_size}] with T >= 1, got shape {x.shape}")
+        t = x.shape[0]
+        self._check_cache(cache)
+        for name, table in (("cos", cos), ("sin", sin)):
+            if np.shape(table) != (t, c.head_dim):
+                raise ValueError(f"{name} must have shape [{t}, {c.head_dim}], got {np.shape(table)}")
+        want = (t, cache.length + t)
+        if np.shape(hidden) != want:
+            raise ValueError(f"the attention mask must have shape [T, cache length + T] = {list(want)}, "
+                             f"got {list(np.shape(hidden))}")
+        blind = np.flatnonzero(np.asarray(hidden, dtype=bool).all(axis=1))
+        if blind.size:
+            raise ValueError(f"the attention mask hides every key from row {int(blind[0])}: each row must see at least one")
+        if any(c.is_sliding(i) for i in range(c.num_hidden_layers)):
+            raise UnsupportedModelError(f"{c.model_type} has sliding-window layers: an explicit attention mask "
+                                        "would ignore their window")
+        for tap in taps:
+            if isinstance(tap, bool) or not isinstance(tap, (int, np.integer)) or not 0 <= tap <= c.num_hidden_layers:
+                raise ValueError(f"tap {tap!r} is out of range [0, {c.num_hidden_layers}]")
+        rope = (np.asarray(cos).astype(self.dtype).astype(_ACC), np.asarray(sin).astype(self.dtype).astype(_ACC))
+        got: dict[int, np.ndarray] = {}
+        logits = self._forward([x.astype(self.dtype, copy=False)], [cache], rope=rope,
+                               masks=[np.asarray(hidden, dtype=bool)], taps=got, tap_ids=tuple(int(i) for i in taps))
+        return logits[0], [got[int(i)] for i in taps]
+
+    def _forward(self, xs: list[np.ndarray], caches: list[KVCache], *, rope: tuple[np.ndarray, np.ndarray] | None = None,
+                 masks: list[np.ndarray] | None = None, taps: dict[int, np.ndarray] | None = None,
+                 tap_ids: tuple[int, ...] = ()) -> list[np.ndarray]:
+        """Run the flattened chunks ``xs`` (embeddings, not yet multiplied) against their caches.
+
+        ``rope``/``masks`` replace the tables and causal masks derived from the cache lengths;
+        ``taps`` receives the residual stream entering each layer of ``tap_ids`` (float32).
+        """
         if not xs:
             return []
         c = self.config
@@ -455,15 +517,19 @@ class Decoder:
         bounds = [int(b) for b in np.concatenate([[0], np.cumsum(lens)])]
         starts = [cache.length for cache in caches]
         segments = list(zip(bounds[:-1], caches, starts, lens))
-        cos, sin = self._rope_tables(starts, lens)
+        cos, sin = self._rope_tables(starts, lens) if rope is None else rope
         dt = self.dtype
         eps = c.rms_norm_eps
         h = self._scale(np.concatenate(xs).astype(dt, copy=False), c.embedding_multiplier)
         for li, L in enumerate(self._layers):
+            if li in tap_ids and taps is not None:
+                taps[li] = h.astype(np.float32)
             x = h if L["ln1"] is None else _rms_norm(h, L["ln1"], eps, dt)
-            h = self._residual_add(h, self._attention(li, L, x, cos, sin, segments), L["pn1"])
+            h = self._residual_add(h, self._attention(li, L, x, cos, sin, segments, masks=masks), L["pn1"])
             x = h if L["ln2"] is None else _rms_norm(h, L["ln2"], eps, dt)
             h = self._residual_add(h, self._mlp(li, L, x), L["pn2"])
+        if len(self._layers) in tap_ids and taps is not None:
+            taps[len(self._layers)] = h.astype(np.float32)
         h = _rms_norm(h, self._final_norm, eps, dt)
         logits = (h.astype(_ACC) @ self._lm_head.T).astype(dt)
         logits = self._scale(logits, c.logits_scaling).astype(np.float32)
@@ -503,12 +569,15 @@ class Decoder:
         return (h.astype(_ACC) + out).astype(self.dtype)
 
     def _attention(self, li: int, L: Mapping[str, np.ndarray | None], x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-                   segments: list[tuple[int, KVCache, int, int]], kv_layer: int | None = None) -> np.ndarray:
+                   segments: list[tuple[int, KVCache, int, int]], kv_layer: int | None = None,
+                   masks: list[np.ndarray] | None = None) -> np.ndarray:
         """Self-attention of layer ``li`` over ``x`` ``[n_tok, hidden]``, through ``o_proj``.
 
         ``segments``: per sequence ``(row offset in x, cache, cache length before, rows)``. Writes
         the new keys (after q/k norm and RoPE, as transformers caches them) and values into
         each cache (not advanced here), at the cache's layer ``kv_layer`` (default ``li``).
+        ``masks``: per segment ``[rows, length before + rows]`` booleans (true = hidden) replacing
+        the causal (and sliding) mask.
         """
         kv = li if kv_layer is None else kv_layer
         c, dt = self.config, self.dtype
@@ -532,14 +601,15 @@ class Decoder:
         window = c.sliding_window if c.is_sliding(li) else None
         scale = c.attention_scale
         attn = np.empty((n_tok, nh, hd), dtype=dt)
-        for s, cache, start, n in segments:
+        for si, (s, cache, start, n) in enumerate(segments):
             cache.write(kv, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
             total = start + n
             keys = cache.keys[kv][:, :total].astype(_ACC)  # [nkv, S, hd]
             vals = cache.values[kv][:, :total].astype(_ACC)
             qs = q[s : s + n].astype(_ACC).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
             scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
-            scores = np.where(_attention_mask(start, n, window), -np.inf, scores)
+            hide = _attention_mask(start, n, window) if masks is None else masks[si]
+            scores = np.where(hide, -np.inf, scores)
             probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
             probs /= probs.sum(axis=-1, keepdims=True)
             probs = probs.astype(dt).astype(_ACC)  # HF rounds the probabilities to the model dtype

@@ -7,7 +7,9 @@ Output directory::
     model.safetensors  only model.embed_tokens.weight (the host-side embedding, as Mobilint ships)
     tokenizer files and generation_config.json copied from the HF directory (those present)
 
-A qwen3_moe checkpoint becomes a Mixture-of-Experts release instead (:mod:`npusim.mxq.compile_moe`).
+A qwen3_moe checkpoint becomes a Mixture-of-Experts release instead (:mod:`npusim.mxq.compile_moe`);
+with ``eagle3`` options, a base and its EAGLE-3 draft become an EAGLE-3 release
+(:mod:`npusim.mxq.compile_eagle3`).
 """
 
 from __future__ import annotations
@@ -97,6 +99,14 @@ __all__ = ["{config_cls}", "{architecture}"]
     return {"AutoConfig": f"{module}.{config_cls}", "AutoModelForCausalLM": f"{module}.{architecture}"}
 
 
+def _require_fixed(fixed: Mapping[str, tuple[Any, Any]], what: str, why: str) -> None:
+    """Raises: ValueError naming the first option of ``fixed`` (name -> (value, the only one allowed))
+    whose value ``what`` does not support, and ``why``."""
+    for name, (value, only) in fixed.items():
+        if value != only:
+            raise ValueError(f"{name}={value!r}: {what} supports only {name}={only!r} ({why})")
+
+
 def compile_artifact(
     hf_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
@@ -110,6 +120,7 @@ def compile_artifact(
     memory_flexible: bool = True,
     hub_proxy: bool = False,
     moe: Mapping[str, Any] | None = None,
+    eagle3: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
 
@@ -139,6 +150,12 @@ def compile_artifact(
             older compiler, whose second launch on a taken core raises ``Acc_CoreAlreadyInUse``.
         moe: options of a Mixture-of-Experts release (ignored for dense checkpoints; a dense
             checkpoint given any raises ValueError).
+        eagle3: not None (a dict, possibly empty): write an EAGLE-3 release of the base in
+            ``hf_dir`` and its draft (default ``hf_dir/eagle3_draft``) instead, given these keyword
+            arguments of :func:`npusim.mxq.compile_eagle3.compile_eagle3_release` (``max_cache_size``,
+            ``max_width``, ``prefill_chunk_size``, ``max_batch_size`` and ``hub_proxy`` are passed
+            through; ``core_mode``, ``output_logits`` and ``memory_flexible`` must keep their
+            defaults). None: a checkpoint with a draft directory compiles as its plain base.
         hub_proxy: also write the Hub releases' remote-code entry: ``auto_map`` in config.json
             and ``proxy_<family>.py`` re-exporting transformers-mblt's classes, so
             ``--trust-remote-code`` resolves the Mobilint model type in an environment that has
@@ -166,15 +183,23 @@ def compile_artifact(
     raw = json.loads((src / "config.json").read_text(encoding="utf-8")) if (src / "config.json").is_file() else None
     if raw is None:
         raise ValueError(f"{src} has no config.json (expected a Hugging Face model directory)")
+    if eagle3 is not None:
+        _require_fixed({"core_mode": (core_mode, "single"), "output_logits": (output_logits, "last"),
+                        "memory_flexible": (memory_flexible, True)},
+                       "an EAGLE-3 release", "its MXQs are single-core and memory-flexible; their logits rows are "
+                       "fixed by kind")
+        from .compile_eagle3 import compile_eagle3_release
+
+        return compile_eagle3_release(src, out, max_cache_size=max_cache_size, max_width=max_width,
+                                      prefill_chunk_size=prefill_chunk_size, max_batch_size=k, hub_proxy=hub_proxy,
+                                      **dict(eagle3))
     if raw.get("model_type") in NOT_BUILT_RELEASES:
         raise NotImplementedError(NOT_BUILT_RELEASES[raw["model_type"]])
     if raw.get("model_type") in MOE_TYPES:
-        fixed = {"max_batch_size": (k, 1), "core_mode": (core_mode, "single"), "output_logits": (output_logits, "last"),
-                 "memory_flexible": (memory_flexible, True)}
-        for name, (value, only) in fixed.items():
-            if value != only:
-                raise ValueError(f"{name}={value!r}: a Mixture-of-Experts release supports only {name}={only!r} "
-                                 "(its MXQs are single-core, batch 1, memory-flexible and emit the last logits)")
+        _require_fixed({"max_batch_size": (k, 1), "core_mode": (core_mode, "single"),
+                        "output_logits": (output_logits, "last"), "memory_flexible": (memory_flexible, True)},
+                       "a Mixture-of-Experts release", "its MXQs are single-core, batch 1, memory-flexible and emit "
+                       "the last logits")
         from .compile_moe import compile_moe_release
 
         return compile_moe_release(src, out, max_cache_size=max_cache_size, max_width=max_width,

@@ -23,6 +23,11 @@ field                  default    meaning
 ``infer_fail_after``   null       int n >= 0: after n successful infers, the next ones fail
 ``infer_fail_times``   1          how many infers fail once ``infer_fail_after`` is reached
 ``infer_fail_status``  InternalError  status of an injected infer failure
+``infer_costs``        {}         per MXQ kind (FORMAT.md: ``decoder``, ``eagle3_base``, ...), an
+                                  object ``{"fixed_us": f, "us_per_token": c}`` replacing
+                                  ``infer_fixed_us`` / ``infer_us_per_token`` for that kind's
+                                  infers: a board's MXQs differ in the weights each infer streams
+                                  (the EAGLE-3 benchmark's paced model, docs/benchmarks.md)
 ``expert_finish_jitter_us`` 500   an MoE expert MXQ's ``infer_npu_data`` returns after a random
                                   wall-clock wait of 0 .. this many µs, so experts run in parallel
                                   finish in a varying order, as on the board (the seed: greedy
@@ -109,6 +114,14 @@ class Settings:
     infer_fail_times: int = 1
     infer_fail_status: str = "InternalError"
     expert_finish_jitter_us: float = 500
+    infer_costs: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def infer_run_us(self, kind: str, tokens: int) -> float:
+        """The ``run npu`` cost (µs) of one infer of ``tokens`` input tokens on an MXQ of ``kind``."""
+        cost = self.infer_costs.get(kind)
+        if cost is None:
+            return self.infer_fixed_us + self.infer_us_per_token * tokens
+        return cost["fixed_us"] + cost["us_per_token"] * tokens
 
 
 _FIELDS = {f.name for f in fields(Settings)}
@@ -118,6 +131,21 @@ _COSTS = ("infer_fixed_us", "infer_us_per_token", "io_fixed_us", "dump_us_per_ki
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_cost(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
+
+
+def _check_infer_costs(v: Any, source: str) -> None:
+    """Raises: ValueError unless ``v`` maps kind names to ``{"fixed_us": >= 0, "us_per_token": >= 0}``."""
+    if not isinstance(v, dict):
+        raise ValueError(f"{source}: infer_costs={v!r} must be an object of MXQ kind -> costs")
+    for kind, cost in v.items():
+        if not isinstance(cost, dict) or set(cost) != {"fixed_us", "us_per_token"} or not all(
+                _is_cost(x) for x in cost.values()):
+            raise ValueError(f"{source}: infer_costs[{kind!r}]={cost!r} must be {{\"fixed_us\": number >= 0, "
+                             "\"us_per_token\": number >= 0}")
 
 
 def _check(values: dict[str, Any], source: str) -> dict[str, Any]:
@@ -135,6 +163,8 @@ def _check(values: dict[str, Any], source: str) -> dict[str, Any]:
             raise ValueError(f"{source}: device_memory_mib={v!r} must be a number > 0")
         elif name in _COSTS and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0):
             raise ValueError(f"{source}: {name}={v!r} must be a number >= 0 (µs)")
+        elif name == "infer_costs":
+            _check_infer_costs(v, source)
         elif name in ("pace", "no_device") and not isinstance(v, bool):
             raise ValueError(f"{source}: {name}={v!r} must be true or false")
         elif name == "bad_alloc_at_launch" and not (v is None or (_is_int(v) and v >= 1)):

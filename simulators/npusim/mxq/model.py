@@ -43,6 +43,7 @@ from .mxqfile import MxqFormatError, read_mxq
 from ..llm.moe_parts import DecoderPart
 from .advanced import AdvancedModelApi, Scale
 from .npu_data import NPUData
+from .eagle3_kinds import EAGLE3_INPUTS, EAGLE3_KINDS, EAGLE3_OUTPUTS, Eagle3InputError, Eagle3Part
 from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
 
 __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
@@ -53,7 +54,7 @@ CORE_MODE_NAMES: dict[str, CoreMode] = {
 #: MXQ kinds (header ``kind``; FORMAT.md) and the names of their outputs, in the default order.
 KIND_OUTPUTS: dict[str, tuple[str, ...]] = {
     "decoder": ("logits",), "moe_shared": ("residual", "expert_in", "gate"), "moe_expert": ("hidden",),
-    "lm_head": ("logits",),
+    "lm_head": ("logits",), **EAGLE3_OUTPUTS,
 }
 MXQ_KINDS: tuple[str, ...] = tuple(KIND_OUTPUTS)
 _ids = itertools.count(1)
@@ -124,7 +125,11 @@ class Model(AdvancedModelApi):
             self._kind: str = header.get("kind", "decoder")
             self._decoder: Decoder | None = None
             self._part: DecoderPart | None = None
-            if self._kind == "decoder":
+            self._e3: Eagle3Part | None = None
+            if self._kind in EAGLE3_KINDS:
+                self._e3 = Eagle3Part(self._kind, header["llm_config"], tensors, taps=header.get("eagle3_taps"),
+                                      source=self._path)
+            elif self._kind == "decoder":
                 self._decoder = Decoder(cfg, tensors, np.float32, source=self._path)
             else:
                 self._part = DecoderPart(cfg, tensors, self._kind, layer=header.get("layer"),
@@ -136,7 +141,7 @@ class Model(AdvancedModelApi):
             raise fail("Model_FailedToLoadMXQ", "Failed to load model.", "model_impl.cc:1219") from None
         self._cfg = cfg
         self._outputs: list[str] = list(header.get("outputs", KIND_OUTPUTS[self._kind]))
-        self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0])]
+        self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0] * _num_inputs(self._kind))]
         self._out_scales: list[float] = [float(v) for v in header.get("output_scales", [1.0] * len(self._outputs))]
         self._last_only = bool(header.get("last_only", False))
         #: an MoE MXQ whose outputs have one token row whatever its input (last-only shared, lm_head)
@@ -159,7 +164,8 @@ class Model(AdvancedModelApi):
                        "model.cc:201")
         sig = json.dumps([header["llm_config"], self.K, self.T, self.W], sort_keys=True).encode()
         layer_bytes = 2 * cfg.num_key_value_heads * self.T * cfg.head_dim * 4
-        kv_layers = {"decoder": range(cfg.num_hidden_layers), "moe_shared": [header.get("layer")]}.get(self._kind, [])
+        kv_layers = {"decoder": range(cfg.num_hidden_layers), "moe_shared": [header.get("layer")],
+                     "eagle3_base": range(cfg.num_hidden_layers), "eagle3_draft": [0]}.get(self._kind, [])
         self._infos = [
             CacheInfo(CacheType.Batch if self.K > 1 else CacheType.Default, f"layer{i}.kv",
                       hashlib.sha256(sig + f"/layer{i}".encode()).hexdigest()[:16], layer_bytes, self.K)
@@ -299,7 +305,10 @@ class Model(AdvancedModelApi):
         return ModelVariantHandle(self, 0)
 
     def get_model_input_shape(self) -> list[tuple[int, ...]]:
-        """``[(1, -1, hidden)]``: -1 is the dynamic token axis (``(1, 1, hidden)`` for an lm_head MXQ)."""
+        """``[(1, -1, hidden)]``: -1 is the dynamic token axis (``(1, 1, hidden)`` for an lm_head MXQ).
+        EAGLE-3 MXQs: one shape per input, ``-1`` also for the mask's ``cache_size + T`` channels."""
+        if self._e3 is not None:
+            return [(1, -1, c) for c in self._e3.input_channels()]
         return [(1, 1 if self._kind == "lm_head" else -1, self._cfg.hidden_size)]
 
     def get_model_output_shape(self) -> list[tuple[int, ...]]:
@@ -314,13 +323,17 @@ class Model(AdvancedModelApi):
         return [(1, rows, self._channels(name)) for name in self._outputs]
 
     def _channels(self, output: str) -> int:
+        if self._e3 is not None:
+            return self._e3.output_channels(output)
         c = self._cfg
         return {"gate": c.num_experts, "logits": c.vocab_size}.get(output, c.hidden_size)
 
     def get_input_buffer_info(self) -> list[BufferInfo]:
         """``max_width`` = W tokens per item per call, ``max_cache_size`` = T tokens per cache id (0 without KV)."""
-        h = self._cfg.hidden_size
-        return [_buffer_info(1, self.W, h, self.T if self._infos else 0)]
+        t = self.T if self._infos else 0
+        if self._e3 is not None:  # one per input; the mask's channels at their widest
+            return [_buffer_info(1, self.W, self.T + self.W if c == -1 else c, t) for c in self._e3.input_channels()]
+        return [_buffer_info(1, self.W, self._cfg.hidden_size, t)]
 
     def get_output_buffer_info(self) -> list[BufferInfo]:
         """``max_width``: W for full logits, K for last-logit batch artifacts, else 1 (MoE MXQs:
@@ -406,7 +419,7 @@ class Model(AdvancedModelApi):
 
     def _cache(self, cache_id: int) -> KVCache:
         if cache_id not in self._caches:
-            c = (self._decoder or self._part).new_cache(self.T)  # type: ignore[union-attr]
+            c = (self._decoder or self._part or self._e3).new_cache(self.T)  # type: ignore[union-attr]
             for k, v in zip(c.keys, c.values):
                 k.fill(np.nan)
                 v.fill(np.nan)
@@ -415,7 +428,8 @@ class Model(AdvancedModelApi):
 
     def infer(self, inputs: Any, outputs: list[np.ndarray] | None = None, cache_size: int = 0,
               params: Sequence[BatchParam] | None = None) -> list[np.ndarray] | None:
-        """Run the model on one float32 input of shape ``(1, S, hidden)`` or ``(1, 1, S, hidden)``.
+        """Run the model on one float32 input of shape ``(1, S, hidden)`` or ``(1, 1, S, hidden)``
+        (EAGLE-3 MXQs: their list of inputs, :meth:`_infer_eagle3`).
 
         Without ``params``: the S tokens go to cache id 0 at ``cache_size``. With ``params``
         (``cache_size`` ignored): item i takes the next ``params[i].sequence_length`` tokens.
@@ -433,11 +447,14 @@ class Model(AdvancedModelApi):
                 the wrong size.
         """
         acc = self._launched()
-        x, rank = self._input(inputs)
-        wall = time.perf_counter()
-        rows = self._compute(x, cache_size, params)
-        self._account_infer(acc, x.shape[0], wall)
-        results = _with_rank(rows, rank)
+        if self._e3 is not None:
+            results = self._infer_eagle3(acc, inputs, cache_size, params)
+        else:
+            x, rank = self._input(inputs)
+            wall = time.perf_counter()
+            rows = self._compute(x, cache_size, params)
+            self._account_infer(acc, x.shape[0], wall)
+            results = _with_rank(rows, rank)
         if outputs is None:
             return results
         if len(outputs) != len(results):
@@ -448,6 +465,56 @@ class Model(AdvancedModelApi):
         for out, result in zip(outputs, results):
             out.reshape(-1)[:] = result.reshape(-1)
         return None
+
+    def _infer_eagle3(self, acc: Accelerator, inputs: Any, cache_size: int,
+                      params: Sequence[BatchParam] | None) -> list[np.ndarray]:
+        """``infer`` of an EAGLE-3 MXQ (:mod:`npusim.mxq.eagle3_kinds`): all inputs ``[1, 1, T, C]``
+        (or ``[1, T, C]``), one item on cache id 0 at ``cache_size``. Checks run before any KV is written.
+
+        Raises:
+            ValueError: the wrong number of inputs; ``Eagle3InputError`` (a ValueError) for a shape
+                (name, expected and got) or a mask row that sees nothing; a negative cache_size.
+            QbRuntimeError: ``Model_InvalidBatchParam`` (params given: the MXQ takes one item);
+                ``Model_ShapeMismatched`` (T > W); ``Model_CacheOverflow`` (cache_size + T > max cache size);
+                the injected ``infer_fail_*`` fault.
+        """
+        part = self._e3
+        assert part is not None
+        names = EAGLE3_INPUTS[self._kind]
+        arrs = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        if len(arrs) != len(names):
+            raise ValueError(f"The number of inputs is invalid (expected {len(names)}, got {len(arrs)}).")
+        if params is not None:
+            raise fail("Model_InvalidBatchParam", f"This MXQ ({self._kind}) has max batch size 1 and takes no BatchParam.",
+                       "model.cc:436")
+        xs = [np.asarray(a, dtype=np.float32) for a in arrs]
+        rank = xs[0].ndim
+        for i, (name, x) in enumerate(zip(names, xs)):
+            if not ((x.ndim == 4 and x.shape[:2] == (1, 1)) or (x.ndim == 3 and x.shape[0] == 1)) or x.ndim != rank \
+                    or x.shape[-2] < 1:
+                raise Eagle3InputError(f"Input shape is invalid: inputs[{i}] ({name}) must be [1, 1, T, C] with T >= 1 "
+                                       f"like inputs[0], got {list(x.shape)}.")
+        rows = [x.reshape(x.shape[-2], x.shape[-1]) for x in xs]
+        if not _is_int(cache_size) or cache_size < 0:
+            raise ValueError(f"cache_size {cache_size!r} must be an integer >= 0")
+        cs, t = int(cache_size), rows[0].shape[0]
+        self._check_item(t, cs)
+        part.check(rows, cs)
+        status = machine.infer_fault()
+        if status is not None:
+            s = machine.settings()
+            raise fail(status, f"Injected fault: infer failed (infer_fail_after={s.infer_fail_after}, "
+                       f"infer_fail_times={s.infer_fail_times}).", "model.cc:500")
+        wall = time.perf_counter()
+        cache = None
+        if self._infos:
+            cache = self._cache(0)
+            cache.length = cs  # rewind/skip: the next write lands at cache_size
+        with np.errstate(invalid="ignore", over="ignore"):
+            named = part.run(rows, cache)
+        machine.note_infer_ok()
+        self._account_infer(acc, t, wall)
+        return _with_rank([named[n].astype(np.float32) for n in self._outputs], rank)
 
     def _compute(self, x: np.ndarray, cache_size: int, params: Sequence[BatchParam] | None) -> list[np.ndarray]:
         """Check, then run the MXQ on the ``[S, hidden]`` tokens ``x``: one float32 ``[rows, C]`` per output.
@@ -545,6 +612,9 @@ class Model(AdvancedModelApi):
                 buffer whose shape is not the result's (both named).
         """
         acc = self._launched()
+        if self._e3 is not None:
+            raise fail("NotImplemented", f"infer_npu_data is not simulated for {self._kind} MXQs (the EAGLE-3 path "
+                       "calls infer).", "model.cc:720")
         ins = list(inputs)
         outs = None if outputs is None else list(outputs)
         if len(ins) != len(self._in_scales):
@@ -590,7 +660,7 @@ class Model(AdvancedModelApi):
 
     def _account_infer(self, acc: Accelerator, n_tokens: int, wall: float) -> None:
         s = machine.settings()
-        run = s.infer_fixed_us + s.infer_us_per_token * n_tokens
+        run = s.infer_run_us(self._kind, n_tokens)
         t0, t1 = acc._device.advance(2 * s.io_fixed_us + run, wall)
         pid, tid, io = acc.get_dev_no(), self._id, s.io_fixed_us
         tracing.span("infer", t0, t1, pid, tid)
@@ -733,6 +803,11 @@ def _with_rank(rows: list[np.ndarray], rank: int) -> list[np.ndarray]:
     return [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
 
 
+def _num_inputs(kind: str) -> int:
+    """How many inputs an MXQ of ``kind`` takes (1 but for the EAGLE-3 kinds)."""
+    return len(EAGLE3_INPUTS.get(kind, ("x",)))
+
+
 def _check_header(h: dict[str, Any]) -> dict[str, Any]:
     """Raises: MxqFormatError for header values outside their rules."""
     for key in ("max_batch_size", "max_cache_size", "max_width"):
@@ -751,13 +826,16 @@ def _check_header(h: dict[str, Any]) -> dict[str, Any]:
     outputs = h.get("outputs", list(KIND_OUTPUTS[kind]))
     if not isinstance(outputs, list) or sorted(outputs) != sorted(KIND_OUTPUTS[kind]):
         raise MxqFormatError(f"MXQ header outputs={outputs!r} must be an ordering of {list(KIND_OUTPUTS[kind])} for kind {kind!r}.")
-    for key, n in (("input_scales", 1), ("output_scales", len(outputs))):
+    for key, n in (("input_scales", _num_inputs(kind)), ("output_scales", len(outputs))):
         v = h.get(key, [1.0] * n)
         if (not isinstance(v, list) or len(v) != n
                 or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in v)):
             raise MxqFormatError(f"MXQ header {key}={v!r} must be a list of {n} positive numbers.")
     if not isinstance(h.get("last_only", False), bool) or (h.get("last_only", False) and kind != "moe_shared"):
         raise MxqFormatError(f"MXQ header last_only={h.get('last_only')!r} must be a boolean, true only for kind 'moe_shared'.")
+    taps = h.get("eagle3_taps")
+    if (kind == "eagle3_base") != (taps is not None):
+        raise MxqFormatError(f"MXQ header eagle3_taps={taps!r}: required for kind 'eagle3_base' and only for it.")
     if kind != "decoder" and h["max_batch_size"] != 1:
         raise MxqFormatError(f"MXQ header max_batch_size={h['max_batch_size']!r} must be 1 for kind {kind!r}.")
     return h

@@ -3,12 +3,15 @@ trained tokenizer.
 
 ``build(arch, out_dir, seed=0, **config_overrides)`` writes a complete Hugging Face model
 directory without network access; see :mod:`npusim.tinymodel.build`.
+``build_eagle3(out_dir, base_arch="llama", seed=0)`` adds a one-block EAGLE-3 draft fitted to a
+4-layer base (:mod:`npusim.tinymodel.eagle3`).
 """
 
 from __future__ import annotations
 
 from .build import (ARCHES, CHAT_TEMPLATE, SPECIAL_TOKENS, build, exaone4_layer_types, make_config, make_weights,
                     train_tokenizer)
+from .eagle3 import build_eagle3
 
-__all__ = ["ARCHES", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build", "exaone4_layer_types", "make_config", "make_weights",
+__all__ = ["ARCHES", "CHAT_TEMPLATE", "SPECIAL_TOKENS", "build", "build_eagle3", "exaone4_layer_types", "make_config", "make_weights",
            "train_tokenizer"]

@@ -1,0 +1,205 @@
+"""vLLM steps on an EAGLE-3 release: :class:`Eagle3Runner` turns a ``SchedulerOutput`` into
+speculative rounds and a ``ModelRunnerOutput``.
+
+vLLM 0.32 schedules a decoding request its new tokens and appends what the step returns, token by
+token, stopping (and trimming the rest) at its ``eos_token_id``, a ``stop_token_ids`` entry,
+``max_tokens`` or ``max_model_len`` (``Scheduler._update_request_with_output`` / ``check_stop``).
+So a step may return several tokens for a request outside spec decoding, and the next step
+schedules them all as the request's new tokens (``num_computed_tokens`` advances by what it
+scheduled, never rolled back). Here:
+
+- a request's prompt is fed once the scheduler has scheduled all of it (earlier chunks return no
+  token); that step returns ``[root]``;
+- each later step runs one round (:meth:`Eagle3Sequence.round`) and returns its tokens after the
+  root (which the previous step returned) and the next root, so a stream arrives a few tokens per
+  chunk; the round has already fed them, so the step that schedules them runs the next round
+  directly (a step that schedules only part of them, under the token budget, returns nothing);
+- the budget is ``min(max_tokens - outputs, max_model_len - tokens)``: a step never returns more,
+  so vLLM trims nothing for length (it trims after a stop string, and finishes the request);
+- a stop id ends the round (vLLM finishes the request on it), and so does the budget;
+- a preempted request, or one whose KV another request displaced, restarts from vLLM's token list
+  (a prefill of every token, whose root is the next token).
+
+At a request's end a log line gives its figures: rounds, draft tokens accepted and verified, and
+tokens per round (``MBLT EAGLE-3 req_id=...``).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_npu.mblt.eagle3_backend import Eagle3Backend
+from vllm_npu.mblt.eagle3_round import Eagle3Sequence, KvDisplaced
+from vllm_npu.mblt.eagle3_tree import SamplingSpec
+
+__all__ = ["Eagle3Runner", "sampling_spec", "stop_ids"]
+
+logger = logging.getLogger("vllm.vllm_npu.mblt")
+
+
+def stop_ids(params: Any) -> frozenset[int]:
+    """The ids on which vLLM's scheduler finishes the request: its ``eos_token_id`` (None under
+    ``ignore_eos``) and ``stop_token_ids``."""
+    ids = set(getattr(params, "stop_token_ids", None) or ())
+    eos = getattr(params, "eos_token_id", None)
+    if eos is not None:
+        ids.add(int(eos))
+    return frozenset(int(i) for i in ids)
+
+
+def sampling_spec(params: Any) -> SamplingSpec:
+    """temperature, top_k (``<= 0``: off) and top_p of a request."""
+    return SamplingSpec(temperature=float(params.temperature or 0.0), top_k=max(0, int(params.top_k or 0)),
+                        top_p=float(params.top_p if params.top_p is not None else 1.0))
+
+
+@dataclass
+class _Request:
+    req_id: str
+    token_ids: list[int]
+    prompt_len: int
+    max_tokens: int
+    spec: SamplingSpec
+    stops: frozenset[int]
+    num_computed: int = 0
+    seq: Eagle3Sequence | None = None
+    exhausted: bool = False
+    round_tokens: int = 0
+    restarts: int = 0
+    rounds_before: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def figures(self) -> tuple[int, int, int]:
+        """(rounds, accepted draft tokens, verified draft tokens) over every restart."""
+        cur = (self.seq.rounds, self.seq.accepted_total, self.seq.drafted_total) if self.seq else (0, 0, 0)
+        return tuple(sum(f[i] for f in [*self.rounds_before, cur]) for i in range(3))  # type: ignore[return-value]
+
+
+class Eagle3Runner:
+    """Per-request EAGLE-3 state on one :class:`Eagle3Backend` (see the module docstring).
+
+    Attributes:
+        totals: over finished requests: ``rounds``, ``accepted``, ``drafted``, ``round_tokens``.
+    """
+
+    def __init__(self, backend: Eagle3Backend, max_model_len: int) -> None:
+        self.backend = backend
+        self.max_model_len = int(max_model_len)
+        self.requests: dict[str, _Request] = {}
+        self.totals = {"rounds": 0, "accepted": 0, "drafted": 0, "round_tokens": 0, "requests": 0}
+
+    # ---------------------------------------------------------------- requests
+    def _add(self, new: Any) -> None:
+        """Raises: ValueError: prompt embeddings or multimodal data (validate_request refuses them first)."""
+        if getattr(new, "prompt_embeds", None) is not None or getattr(new, "mm_features", None):
+            raise ValueError("EAGLE-3 models take token prompts only, without prompt embeddings or multimodal data.")
+        prompt = list(new.prompt_token_ids or [])
+        params = new.sampling_params
+        max_tokens = params.max_tokens
+        self.requests[new.req_id] = _Request(
+            new.req_id, prompt, len(prompt),
+            self.max_model_len - len(prompt) if max_tokens is None else int(max_tokens),
+            sampling_spec(params), stop_ids(params), num_computed=int(new.num_computed_tokens))
+
+    def _drop_state(self, req: _Request) -> None:
+        if req.seq is not None:
+            req.rounds_before.append((req.seq.rounds, req.seq.accepted_total, req.seq.drafted_total))
+            if self.backend.owner is req.seq:
+                self.backend.owner = None
+            req.seq = None
+        req.exhausted = False
+
+    def _finish(self, req_id: str) -> None:
+        req = self.requests.pop(req_id, None)
+        if req is None:
+            return
+        rounds, accepted, drafted = req.figures()
+        if req.seq is not None and self.backend.owner is req.seq:
+            self.backend.owner = None
+        outputs = len(req.token_ids) - req.prompt_len
+        for key, v in (("rounds", rounds), ("accepted", accepted), ("drafted", drafted),
+                       ("round_tokens", req.round_tokens), ("requests", 1)):
+            self.totals[key] += v
+        logger.info(
+            "MBLT EAGLE-3 req_id=%s: %d tokens, %d rounds, %d draft tokens accepted of %d verified (%.1f%%), "
+            "%.2f tokens per round, %d restarts", req_id, outputs, rounds, accepted, drafted,
+            100.0 * accepted / drafted if drafted else 0.0, req.round_tokens / rounds if rounds else 0.0, req.restarts)
+
+    def _remaining(self, req: _Request) -> int:
+        outputs = len(req.token_ids) - req.prompt_len
+        return min(req.max_tokens - outputs, self.max_model_len - len(req.token_ids))
+
+    def _prefill(self, req: _Request) -> list[int]:
+        req.seq = Eagle3Sequence(self.backend, req.spec, req.stops)
+        return [req.seq.prefill(req.token_ids, max(1, self._remaining(req)))]
+
+    def _run(self, req: _Request) -> list[int]:
+        """Feed the prompt, or run the next round; the tokens to return.
+
+        Raises:
+            RuntimeError: the request was scheduled after a round ended it.
+        """
+        if req.exhausted:
+            raise RuntimeError(f"EAGLE-3 request {req.req_id} was scheduled after it reached its token limit.")
+        if req.seq is None:
+            return self._prefill(req)
+        remaining = self._remaining(req)
+        if remaining < 1 or not req.seq.has_tree:
+            raise RuntimeError(f"EAGLE-3 request {req.req_id} was scheduled after it reached its token limit "
+                               f"(remaining={remaining}).")
+        try:
+            result = req.seq.round(remaining + 1)
+        except KvDisplaced:
+            req.restarts += 1
+            self._drop_state(req)
+            return self._prefill(req)
+        tokens = result.tokens[1:]
+        if result.stopped:
+            req.exhausted = True
+        else:
+            tokens.append(int(result.next_token))  # type: ignore[arg-type]
+        req.round_tokens += len(tokens)
+        return tokens
+
+    # ---------------------------------------------------------------- the step
+    def execute(self, so: Any) -> Any:
+        """One scheduler step: finish, preempt, add and resume requests, then feed or run a
+        round for each scheduled one; a ``ModelRunnerOutput`` with each one's new tokens."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        for rid in so.finished_req_ids:
+            self._finish(rid)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            if rid in self.requests:
+                self._drop_state(self.requests[rid])
+        for new in so.scheduled_new_reqs:
+            self._add(new)
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            req = self.requests[rid]
+            req.num_computed = int(cached.num_computed_tokens[i])
+            if rid in cached.resumed_req_ids:
+                all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
+                if all_ids is not None:
+                    req.token_ids = list(all_ids)
+                req.restarts += 1
+                self._drop_state(req)
+        order = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in order:
+            req = self.requests[rid]
+            end = req.num_computed + int(so.num_scheduled_tokens[rid])
+            tokens: list[int] = []
+            if end >= len(req.token_ids):
+                tokens = self._run(req)
+                req.token_ids.extend(tokens)
+            req.num_computed = end
+            sampled.append(tokens)
+        return ModelRunnerOutput(req_ids=order, req_id_to_index={rid: i for i, rid in enumerate(order)},
+                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={})
+
+    def shutdown(self) -> None:
+        """Forget every request (their KV goes with the backend)."""
+        self.requests.clear()
+        self.backend.owner = None
