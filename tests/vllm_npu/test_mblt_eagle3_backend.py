@@ -343,3 +343,31 @@ def test_rounds_equal_transformers_mblt_on_the_same_mxqs(release, backend):
         alias.deactivate("qbruntime")
         for name in [m for m in sys.modules if m.split(".")[0] in ("qbruntime", "transformers_mblt", "mblt_npu")]:
             del sys.modules[name]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_bases_serve_greedy_equal_to_plain_decoding(arch, tmp_path):
+    """The Qwen2 (q/k/v biases, tied head) and Qwen3 (q/k norms) families of EAGLE-3 release:
+    ``make-model --eagle3`` of that base, ``mxq compile --eagle3`` (tree 3/4/16), the plugin's rounds
+    on the simulator give the base's plain greedy decoding, with some draft tokens accepted."""
+    import npusim.mxq as runtime
+    from npusim.llm import Decoder
+    from npusim.mxq.compile import compile_artifact
+    from npusim.tinymodel.eagle3 import build_eagle3
+
+    hf = build_eagle3(tmp_path / "hf", base_arch=arch)
+    rel = compile_artifact(hf, tmp_path / "rel", max_cache_size=128, prefill_chunk_size=16,
+                           eagle3={"tree_depth": 3, "tree_top_k": 4, "num_assistant_tokens": 16})
+    artifact = json.loads((rel / "config.json").read_text())
+    assert artifact["model_type"] == f"mobilint-{arch}-eagle3"
+    b = Eagle3Backend.create(runtime, Eagle3Release.read(rel, artifact))
+    try:
+        golden = Decoder.from_pretrained(hf)
+        accepted = 0
+        for prompt in PROMPTS[:2]:
+            got, _, seq = _generate(b, prompt, 24)
+            assert got == list(golden.generate_greedy(prompt, 24))
+            accepted += seq.accepted_total
+        assert accepted > 0
+    finally:
+        b.dispose()

@@ -34,7 +34,9 @@ LIMIT = eagle3_max_model_len(256, 256, 5, 8)  # 226
 @pytest.fixture(scope="module")
 def server(eagle3_release, tmp_path_factory):
     env = vllm_server.vllm_env("mblt-sim")
-    srv = vllm_server.start(eagle3_release(), [], env=env, log=tmp_path_factory.mktemp("eagle3-log") / "serve.log")
+    # --enable-prompt-embeds: vLLM then passes prompt embeddings on, so their refusal is the plugin's
+    srv = vllm_server.start(eagle3_release(), ["--enable-prompt-embeds"], env=env,
+                            log=tmp_path_factory.mktemp("eagle3-log") / "serve.log")
     yield srv
     srv.stop()
 
@@ -118,6 +120,8 @@ def test_prompt_embeddings_are_refused(server):
     res = server.request("POST", "/v1/completions", {"model": server.model, "prompt_embeds":
                                                      base64.b64encode(buf.getvalue()).decode(), "max_tokens": 2})
     assert res.status == 400, res
+    assert "EAGLE-3 models take token prompts only, without prompt embeddings or multimodal data." in str(res.body), res
+    assert server.healthy()
 
 
 def test_sampled_requests_complete_with_valid_tokens(server):
