@@ -57,13 +57,13 @@ def artifact_config(vllm_config: Any) -> dict[str, Any]:
 
 def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: Any) -> None:
     """Without ``--max-model-len``, clamp vLLM's ``max_model_len`` (the artifact's declared
-    ``max_position_embeddings``) to the KV capacity, with a log line, as vllm-mblt does for its
-    releases whose config declares more than their MXQs hold: the MXQ's capacity, or for a
-    Mixture-of-Experts release that of its shared MXQs (read from layer 0's). An explicit
-    over-capacity value is left for the worker to refuse. Nothing changes when the capacity cannot
-    be read here (no target selected, no ``mxq_path``, a runtime error): the worker then reports
-    the cause."""
-    from vllm_npu.mblt import moe_backend, settings
+    ``max_position_embeddings``) to what the MXQs hold, with a log line, as vllm-mblt does for its
+    releases whose config declares more than their MXQs hold: the MXQ's KV capacity; for a
+    Mixture-of-Experts release that of its shared MXQs (read from layer 0's); for an EAGLE-3
+    release :func:`eagle3_max_model_len` of its base and draft MXQs. An explicit over-capacity
+    value is left for the worker to refuse. Nothing changes when the capacity cannot be read here
+    (no target selected, no ``mxq_path``, a runtime error): the worker then reports the cause."""
+    from vllm_npu.mblt import eagle3_backend, moe_backend, settings
     from vllm_npu.mblt.backend import kv_capacity
     from vllm_npu.mblt.runtime import load_runtime
     from vllm_npu.targets import selected_target
@@ -72,29 +72,35 @@ def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: 
     target = selected_target()
     if target not in ("mblt-sim", "mblt-hw"):
         return
-    if moe_backend.is_moe_release(artifact):
+    if eagle3_backend.is_eagle3_release(artifact):
+        source, what = "release", "the EAGLE-3 base and draft MXQs"
+
+        def read(runtime: Any) -> tuple[int, str]:
+            return _eagle3_capacity(runtime, model_config.model, artifact, overrides)
+    elif moe_backend.is_moe_release(artifact):
         source, what = "release", "its Mixture-of-Experts shared MXQs"
 
-        def read(runtime: Any) -> int:
-            return moe_backend.MoeRelease(model_config.model, artifact).shared_kv_capacity(runtime)
+        def read(runtime: Any) -> tuple[int, str]:
+            capacity = moe_backend.MoeRelease(model_config.model, artifact).shared_kv_capacity(runtime)
+            return capacity, f"the KV capacity of {what}"
     else:
         path = settings.mxq_path_of(model_config.model, artifact, overrides)
         if path is None or not os.path.isfile(path):
             return
         source, what = "artifact", path
 
-        def read(runtime: Any) -> int:
-            return kv_capacity(runtime, path)
+        def read(runtime: Any) -> tuple[int, str]:
+            return kv_capacity(runtime, path), f"the KV capacity of {path}"
     try:
-        capacity = read(load_runtime(target))
+        capacity, reason = read(load_runtime(target))
     except Exception as exc:  # noqa: BLE001 - the worker loads the MXQs again and raises its error
         logger.debug("MBLT platform: KV capacity of %s not read here (%s)", what, exc)
         return
     if model_config.max_model_len > capacity:
         logger.warning(
-            "MBLT platform: max_model_len clamped from %d (the %s's config) to %d, the KV "
-            "capacity of %s; pass --max-model-len to choose a value up to it",
-            model_config.max_model_len, source, capacity, what,
+            "MBLT platform: max_model_len clamped from %d (the %s's config) to %d, %s; pass "
+            "--max-model-len to choose a value up to it",
+            model_config.max_model_len, source, capacity, reason,
         )
         model_config.max_model_len = capacity
 
@@ -115,34 +121,32 @@ def eagle3_max_model_len(base_capacity: int, draft_capacity: int, depth: int, to
     return max(1, min(int(base_capacity), int(draft_capacity) - (int(depth) - 1) * int(top_k) + 2))
 
 
-def _eagle3_capacity(model_dir: str, artifact: dict[str, Any], overrides: Any) -> tuple[int, str]:
-    """``(largest max_model_len, what it comes from)`` of an EAGLE-3 release, reading the base and
-    draft MXQs' KV capacities from never-launched Models.
+def _eagle3_capacity(runtime: Any, model_dir: str, artifact: dict[str, Any], overrides: Any) -> tuple[int, str]:
+    """``(largest max_model_len, why)`` of an EAGLE-3 release, reading the base and draft MXQs' KV
+    capacities from never-launched Models of ``runtime``.
 
     Raises:
         Exception: the release or the runtime cannot be read (the caller decides).
     """
     from vllm_npu.mblt.backend import kv_capacity
     from vllm_npu.mblt.eagle3_backend import Eagle3Release, loader_layout
-    from vllm_npu.mblt.runtime import load_runtime
-    from vllm_npu.targets import selected_target
 
     release = Eagle3Release.read(model_dir, artifact, loader_layout(overrides))
-    runtime = load_runtime(selected_target())
     base = kv_capacity(runtime, str(release.paths["base"]))
     draft = kv_capacity(runtime, str(release.paths["draft"]))
     limit = eagle3_max_model_len(base, draft, release.depth, release.top_k)
-    return limit, (f"the EAGLE-3 base MXQ's KV capacity ({base}) and the draft MXQ's ({draft}) less its tree "
+    return limit, (f"from the EAGLE-3 base MXQ's KV capacity ({base}) and the draft MXQ's ({draft}) less its tree "
                    f"levels' headroom ((depth {release.depth} - 1) x top_k {release.top_k} - 2)")
 
 
-def _eagle3_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any, user: dict[str, Any]) -> None:
-    """An EAGLE-3 release: one sequence per base MXQ, the release's tree and capacities.
+def _eagle3_rules(artifact: dict[str, Any], overrides: Any) -> None:
+    """An EAGLE-3 release: one sequence per base MXQ (its ``max_model_len`` is clamped as any
+    artifact's: :func:`_clamp_max_model_len`).
 
     Raises:
         vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1 (from the loader extra
             config, config.json's ``base_max_batch_size`` / ``max_batch_size`` /
-            ``npu_max_batch_size``), or a bad role layout key.
+            ``npu_max_batch_size``).
     """
     from vllm_npu.mblt import eagle3_backend, settings
 
@@ -151,18 +155,6 @@ def _eagle3_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any, us
     for value in (n, base_n):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value > 1):
             raise settings.MbltConfigError(eagle3_backend.BATCH_REFUSAL.format(n=value))
-    if user["max_model_len"] is not None:
-        return  # an explicit value over the capacity is refused by the worker, naming both numbers
-    try:
-        limit, what = _eagle3_capacity(vllm_config.model_config.model, artifact, overrides)
-    except Exception as exc:  # noqa: BLE001 - the worker loads the release again and raises its error
-        logger.debug("MBLT platform: EAGLE-3 capacities not read here (%s)", exc)
-        return
-    model_config = vllm_config.model_config
-    if model_config.max_model_len > limit:
-        logger.warning("MBLT platform: max_model_len clamped from %d (the release's config) to %d, from %s; pass "
-                       "--max-model-len to choose a value up to it", model_config.max_model_len, limit, what)
-        model_config.max_model_len = limit
 
 
 EAGLE3_PREFIX_CACHE_OFF = "Disabling prefix caching for EAGLE-3: every request feeds its whole prompt."
@@ -257,8 +249,8 @@ class MbltPlatform(NpuPlatform):
         if is_moe_release(artifact):
             _moe_rules(artifact, overrides)
         if eagle3:
-            _eagle3_rules(vllm_config, artifact, overrides, user)
-        elif user["max_model_len"] is None:
+            _eagle3_rules(artifact, overrides)
+        if user["max_model_len"] is None:
             _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
             artifact,

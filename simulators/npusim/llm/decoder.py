@@ -582,7 +582,7 @@ class Decoder:
         kv = li if kv_layer is None else kv_layer
         c, dt = self.config, self.dtype
         n_tok = x.shape[0]
-        hd, nh, nkv, groups = c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.num_key_value_groups
+        hd, nh, nkv = c.head_dim, c.num_attention_heads, c.num_key_value_heads
         if self._q4 is None:
             q = self._linear(x, L["wq"], L["bq"])
             k = self._linear(x, L["wk"], L["bk"])
@@ -602,19 +602,8 @@ class Decoder:
         scale = c.attention_scale
         attn = np.empty((n_tok, nh, hd), dtype=dt)
         for si, (s, cache, start, n) in enumerate(segments):
-            cache.write(kv, k[s : s + n].transpose(1, 0, 2), v[s : s + n].transpose(1, 0, 2))
-            total = start + n
-            keys = cache.keys[kv][:, :total].astype(_ACC)  # [nkv, S, hd]
-            vals = cache.values[kv][:, :total].astype(_ACC)
-            qs = q[s : s + n].astype(_ACC).reshape(n, nkv, groups, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
-            scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
             hide = _attention_mask(start, n, window) if masks is None else masks[si]
-            scores = np.where(hide, -np.inf, scores)
-            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
-            probs = probs.astype(dt).astype(_ACC)  # HF rounds the probabilities to the model dtype
-            out = probs @ vals[:, None]  # [nkv, G, n, hd]
-            attn[s : s + n] = out.transpose(2, 0, 1, 3).reshape(n, nh, hd)
+            attn[s : s + n] = cached_attention(cache, kv, q[s : s + n], k[s : s + n], v[s : s + n], hide, scale, dt)
         if self._q4 is None:
             return self._linear(attn.reshape(n_tok, nh * hd), L["wo"], L["bo"])
         (o,) = self._q4[li]["o"](attn.reshape(n_tok, nh * hd), (L["bo"],), dt)
@@ -697,6 +686,31 @@ class Decoder:
         g, u = self._q4[li]["gate_up"](x, (L["bg"], L["bu"]), dt)
         (d,) = self._q4[li]["down"](self._gated(g, u), (L["bd"],), dt)
         return d
+
+
+def cached_attention(cache: KVCache, layer: int, q: np.ndarray, k: np.ndarray, v: np.ndarray, hide: np.ndarray,
+                     scale: float, dt: np.dtype) -> np.ndarray:
+    """Write ``n`` rows' keys/values ``[n, kv_heads, head_dim]`` into ``cache`` layer ``layer`` at
+    ``cache.length`` (not advanced) and attend the queries ``q`` ``[n, heads, head_dim]`` over keys
+    ``[0, cache.length + n)``: ``[n, heads, head_dim]`` (float64 holding the sums of probabilities
+    rounded to ``dt``, as HF rounds them to the model dtype).
+
+    ``hide``: ``[n, cache.length + n]`` booleans, true where a row must not see a key;
+    ``scale``: the scores' multiplier. Grouped-query heads share their key/value head.
+    """
+    n, nh, hd = q.shape
+    nkv = k.shape[1]
+    cache.write(layer, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
+    total = cache.length + n
+    keys = cache.keys[layer][:, :total].astype(_ACC)  # [nkv, S, hd]
+    vals = cache.values[layer][:, :total].astype(_ACC)
+    qs = q.astype(_ACC).reshape(n, nkv, nh // nkv, hd).transpose(1, 2, 0, 3)  # [nkv, G, n, hd]
+    scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * scale  # [nkv, G, n, S]
+    scores = np.where(hide, -np.inf, scores)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    probs = probs.astype(dt).astype(_ACC)
+    return (probs @ vals[:, None]).transpose(2, 0, 1, 3).reshape(n, nh, hd)  # from [nkv, G, n, hd]
 
 
 def _projections(w: Mapping[str, np.ndarray], prefix: str, names: Mapping[str, str]) -> dict[str, np.ndarray | None]:

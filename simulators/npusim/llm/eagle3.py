@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .decoder import _ACC, _rms_norm, decoder_dtype
+from .decoder import _ACC, _rms_norm, cached_attention, decoder_dtype
 from .errors import CheckpointError, UnsupportedModelError
 from .kvcache import KVCache
 from .rope import RopeConfig, apply_rope
@@ -274,16 +274,7 @@ class Eagle3Draft:
         q = apply_rope(self._lin(x, "midlayer.self_attn.q_proj.weight").reshape(t, nh, hd).astype(_ACC), cs, sn).astype(dt)
         k = apply_rope(self._lin(x, "midlayer.self_attn.k_proj.weight").reshape(t, nkv, hd).astype(_ACC), cs, sn).astype(dt)
         v = self._lin(x, "midlayer.self_attn.v_proj.weight").reshape(t, nkv, hd)
-        cache.write(0, k.transpose(1, 0, 2), v.transpose(1, 0, 2))
-        total, groups = cache.length + t, nh // nkv
-        keys = cache.keys[0][:, :total].astype(_ACC)
-        vals = cache.values[0][:, :total].astype(_ACC)
-        qs = q.astype(_ACC).reshape(t, nkv, groups, hd).transpose(1, 2, 0, 3)
-        scores = (qs @ keys[:, None].transpose(0, 1, 3, 2)) * (hd ** -0.5)
-        scores = np.where(m, -np.inf, scores)
-        probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-        probs /= probs.sum(axis=-1, keepdims=True)
-        attn = (probs.astype(dt).astype(_ACC) @ vals[:, None]).transpose(2, 0, 1, 3).reshape(t, nh * hd)
+        attn = cached_attention(cache, 0, q, k, v, m, hd ** -0.5, dt).reshape(t, nh * hd)
         h = (g.astype(_ACC) + self._lin(attn, "midlayer.self_attn.o_proj.weight")).astype(dt)
         y = _rms_norm(h, w["midlayer.post_attention_layernorm.weight"], eps, dt)
         gate, up = self._lin(y, "midlayer.mlp.gate_proj.weight"), self._lin(y, "midlayer.mlp.up_proj.weight")

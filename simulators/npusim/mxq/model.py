@@ -500,11 +500,7 @@ class Model(AdvancedModelApi):
         cs, t = int(cache_size), rows[0].shape[0]
         self._check_item(t, cs)
         part.check(rows, cs)
-        status = machine.infer_fault()
-        if status is not None:
-            s = machine.settings()
-            raise fail(status, f"Injected fault: infer failed (infer_fail_after={s.infer_fail_after}, "
-                       f"infer_fail_times={s.infer_fail_times}).", "model.cc:500")
+        _raise_injected_fault()
         wall = time.perf_counter()
         cache = None
         if self._infos:
@@ -524,10 +520,7 @@ class Model(AdvancedModelApi):
         items = self._items(x.shape[0], cache_size, params)
         if self._kind == "lm_head" and x.shape[0] != 1:
             raise fail("Model_ShapeMismatched", f"Sequence length of inputs[0] must be 1 for this MXQ (got {x.shape[0]})", "model.cc:412")
-        status = machine.infer_fault()
-        if status is not None:
-            s = machine.settings()
-            raise fail(status, f"Injected fault: infer failed (infer_fail_after={s.infer_fail_after}, infer_fail_times={s.infer_fail_times}).", "model.cc:500")
+        _raise_injected_fault()
         caches, xs, pos = [], [], 0
         for cid, cs, n in items:
             if self._infos:
@@ -796,6 +789,19 @@ class Model(AdvancedModelApi):
     def infer_to_float(self, *args: Any, **kwargs: Any) -> None:
         """Raises: QbRuntimeError ``NotImplemented`` (int8 inputs)."""
         self._not_implemented("infer_to_float")
+
+
+def _raise_injected_fault() -> None:
+    """Count this infer against ``NPUSIM_MXQ``'s ``infer_fail_*`` and raise when it is to fail.
+
+    Raises:
+        QbRuntimeError: the injected status (``infer_fail_status``), naming the fault settings.
+    """
+    status = machine.infer_fault()
+    if status is not None:
+        s = machine.settings()
+        raise fail(status, f"Injected fault: infer failed (infer_fail_after={s.infer_fail_after}, "
+                   f"infer_fail_times={s.infer_fail_times}).", "model.cc:500")
 
 
 def _with_rank(rows: list[np.ndarray], rank: int) -> list[np.ndarray]:
