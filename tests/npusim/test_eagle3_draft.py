@@ -137,10 +137,10 @@ def test_draft_config_and_checkpoint_refusals(model_dir, draft):
 
 def test_the_fitted_draft_predicts_the_base(base, draft):
     """Draft row ``t`` (token ``t + 1``'s embedding, the base's taps at ``t``) predicts the base's
-    greedy token ``t + 2`` on sequences the fit never saw: at least 40% top-1 (53% when built; a
+    greedy token ``t + 2`` on sequences the fit never saw: at least 40% top-1 (49% when built; a
     random draft of 512 ids: under 1%)."""
     rng = np.random.default_rng(2024)
-    hits = total = 0
+    hits = hits8 = total = 0
     for _ in range(12):
         prompt = rng.integers(0, base.config.vocab_size, 8)
         ids = np.concatenate([prompt, base.generate_greedy(prompt, 24)])
@@ -151,9 +151,13 @@ def test_the_fitted_draft_predicts_the_base(base, draft):
         dcos, dsin = draft.config.rope.cos_sin(np.arange(n - 1))
         _, logits = draft.forward(draft.embed(ids[1:]), g, draft.new_cache(n), dcos, dsin, _causal(0, n - 1))
         pred = draft.to_target(np.argmax(logits, axis=-1))
+        top8 = draft.to_target(np.argsort(-logits, axis=-1, kind="stable")[:, :8])
         for t in range(len(prompt) - 1, n - 2):
             total += 1
             hits += int(pred[t] == ids[t + 2])
+            hits8 += int(ids[t + 2] in top8[t])
+    print(f"fitted EAGLE-3 draft on held-out greedy runs: top-1 {hits / total:.1%}, top-8 {hits8 / total:.1%} "
+          f"of {total} tokens")
     assert hits / total >= 0.4, f"top-1 {hits}/{total}"
 
 
