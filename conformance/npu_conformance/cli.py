@@ -140,7 +140,13 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     from npusim import tinymodel
 
     try:
-        if args.eagle3:
+        if args.arch == "qwen3_asr":
+            if args.eagle3:
+                raise ValueError("--eagle3 needs --arch llama, qwen2 or qwen3, not qwen3_asr")
+            from npusim.tinymodel.asr import build_qwen3_asr
+
+            path = build_qwen3_asr(Path(args.out), seed=args.seed)
+        elif args.eagle3:
             from npusim.tinymodel.eagle3 import build_eagle3
 
             path = build_eagle3(Path(args.out), base_arch=args.arch, seed=args.seed)
@@ -175,10 +181,48 @@ def _parse_chunk(text: str) -> int | dict:
     return value
 
 
+def _asr_refusals(args: argparse.Namespace) -> str | None:
+    """Why the ``mxq compile`` flags given cannot build a Qwen3-ASR release (None: they can).
+
+    Every flag of the MoE and EAGLE-3 groups and a ``--max-batch-size`` other than 1 is refused,
+    named with the reason.
+    """
+    given = [flag for flag, on in (
+        ("--max-batch-size", args.max_batch_size != 1), ("--moe-devices", args.moe_devices is not None),
+        ("--moe-unpacked", args.moe_unpacked), ("--moe-last-only", args.moe_last_only),
+        ("--moe-declare-output-order", args.moe_declare_output_order), ("--eagle3", args.eagle3),
+        ("--eagle3-tree", args.eagle3_tree is not None), ("--eagle3-draft", args.eagle3_draft is not None),
+    ) if on]
+    why = {"--max-batch-size": f"--max-batch-size {args.max_batch_size}: a Qwen3-ASR release's decoder MXQ is "
+                               "compiled for batch 1 and its config declares no max_batch_size (serve it with "
+                               "--max-num-seqs 1)"}
+    reasons = [why.get(f, f"{f}: {'Mixture-of-Experts' if f.startswith('--moe') else 'EAGLE-3'} options do not "
+                          "apply to a Qwen3-ASR checkpoint") for f in given]
+    return "; ".join(reasons) if reasons else None
+
+
+def _is_asr_checkpoint(hf_dir: Path) -> bool:
+    """Whether ``hf_dir/config.json`` declares a Qwen3-ASR checkpoint (model_type qwen3_asr)."""
+    import json
+
+    from npusim.mxq.compile import ASR_TYPES
+
+    try:
+        raw = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(raw, dict) and raw.get("model_type") in ASR_TYPES
+
+
 def _cmd_mxq_compile(args: argparse.Namespace) -> int:
     from npusim.llm import CheckpointError, UnsupportedModelError
     from npusim.mxq.compile import compile_artifact
 
+    asr = _is_asr_checkpoint(Path(args.hf_dir))
+    refused = _asr_refusals(args) if asr else None
+    if refused:
+        print(f"npu-harness mxq compile: {args.hf_dir} is a Qwen3-ASR checkpoint: {refused}", file=sys.stderr)
+        return 2
     try:
         path = compile_artifact(
             Path(args.hf_dir), Path(args.out), max_batch_size=args.max_batch_size,
@@ -194,7 +238,8 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
         print(f"npu-harness mxq compile: not built: {exc}", file=sys.stderr)
         return 2
     moe = (path / "mxq" / "lm_head.mxq").is_file()
-    kind = ("Mixture-of-Experts release: mxq/" if moe else
+    kind = ("Qwen3-ASR release: audio_encoder.mxq, decoder.mxq" if asr else
+            "Mixture-of-Experts release: mxq/" if moe else
             "EAGLE-3 release: mxq/base.mxq, draft.mxq, fc.mxq" if (path / "mxq" / "fc.mxq").is_file() else "model.mxq")
     print(f"MXQ artifact written to {path} ({kind}, config.json, model.safetensors)")
     return 0
@@ -369,8 +414,14 @@ def build_parser() -> argparse.ArgumentParser:
                     help="virtual environment directory (default: this interpreter's site-packages)")
     al.set_defaults(func=_cmd_alias)
 
-    mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally")
-    mm.add_argument("--arch", required=True, choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe"))
+    mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally "
+                                           "(qwen3_asr: a Qwen3-ASR checkpoint in the original release "
+                                           "layout, fitted to transcribe npusim.tinymodel.asr.CLIPS)")
+    mm.add_argument("--arch", required=True,
+                    choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe", "qwen3_asr"),
+                    help="qwen3_asr: a Qwen3-ASR checkpoint (original release layout, WhisperFeatureExtractor, "
+                         "audio-only chat template) whose LM head is fitted so greedy decoding transcribes "
+                         "npusim.tinymodel.asr.CLIPS to TRANSCRIPTS")
     mm.add_argument("--out", required=True, metavar="DIR")
     mm.add_argument("--seed", type=int, default=0, metavar="N")
     mm.add_argument("--eagle3", action="store_true",
@@ -413,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     e3.add_argument("--eagle3-tree", type=int, nargs=3, default=None, metavar=("DEPTH", "TOPK", "NUM_ASSISTANT_TOKENS"),
                     help="the draft tree written to config.json and generation_config.json (default 5 8 64, the vendor's)")
     e3.add_argument("--eagle3-draft", default=None, metavar="DIR", help="the draft checkpoint (default HF_DIR/eagle3_draft)")
+    comp.epilog = ("A qwen3_asr checkpoint (detected from config.json) becomes a Qwen3-ASR release: audio_encoder.mxq "
+                   "(one 100-frame mel window per infer) and decoder.mxq (the thinker's text model, batch 1, KV 2048 "
+                   "tokens by default); --max-batch-size other than 1 and the MoE / EAGLE-3 flags are refused.")
     comp.set_defaults(func=_cmd_mxq_compile)
 
     rbln = sub.add_parser("rbln", help="Rebellions RBLN plugin (vllm_npu.rbln): architectures, AOT compile")

@@ -74,6 +74,27 @@ class HttpResult:
     body: Any  # parsed JSON when the body is JSON, else text
 
 
+def multipart(fields: Mapping[str, str], files: Mapping[str, tuple[str, bytes, str]]) -> tuple[bytes, str]:
+    """A ``multipart/form-data`` body and its content type (boundary chosen so it occurs in no
+    part)."""
+    import secrets
+
+    parts = [*(v.encode() for v in fields.values()), *(f[1] for f in files.values())]
+    boundary = "npuharness" + secrets.token_hex(12)
+    while any(boundary.encode() in p for p in parts):
+        boundary = "npuharness" + secrets.token_hex(12)
+    out = bytearray()
+    for name, value in fields.items():
+        out += (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"\r\n\r\n").encode()
+        out += value.encode() + b"\r\n"
+    for name, (filename, data, ctype) in files.items():
+        out += (f"--{boundary}\r\nContent-Disposition: form-data; name=\"{name}\"; filename=\"{filename}\"\r\n"
+                f"Content-Type: {ctype}\r\n\r\n").encode()
+        out += data + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return bytes(out), f"multipart/form-data; boundary={boundary}"
+
+
 @dataclass
 class Server:
     """A running ``vllm serve``. ``base`` is ``http://127.0.0.1:PORT``."""
@@ -109,6 +130,20 @@ class Server:
         body = {"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
         body.update(params)
         return self.request("POST", "/v1/completions", body)
+
+    def upload(self, path: str, fields: Mapping[str, str], files: Mapping[str, tuple[str, bytes, str]],
+               timeout: float = 300.0) -> HttpResult:
+        """``POST`` a ``multipart/form-data`` body (the OpenAI audio endpoints): ``fields`` as
+        text parts, ``files`` as ``{name: (filename, bytes, content type)}``."""
+        body, ctype = multipart(fields, files)
+        return self.request("POST", path, body, timeout=timeout, content_type=ctype)
+
+    def transcribe(self, audio: bytes, filename: str = "clip.wav", path: str = "/v1/audio/transcriptions",
+                   timeout: float = 300.0, **fields: Any) -> HttpResult:
+        """``POST /v1/audio/transcriptions`` (or ``path``) with one audio file and ``fields``
+        (``language``, ``prompt``, ``temperature``...; the model name is added)."""
+        form = {"model": self.model, **{k: str(v) for k, v in fields.items()}}
+        return self.upload(path, form, {"file": (filename, audio, "audio/wav")}, timeout=timeout)
 
     def alive(self) -> bool:
         return self.proc.poll() is None

@@ -111,6 +111,8 @@ def test_the_npu_platforms_make_it_the_default_middleware():
     parser = make_arg_parser(FlexibleArgumentParser())
     MbltPlatform.pre_register_and_update(parser)
     MbltPlatform.pre_register_and_update(parser)  # idempotent
-    assert parser.parse_args([]).middleware == [MIDDLEWARE]
-    assert parser.parse_args(["--middleware", "my.Mw"]).middleware == [MIDDLEWARE, "my.Mw"]
+    from vllm_npu.audio_uploads import MIDDLEWARE as AUDIO_MIDDLEWARE  # MBLT's own: bad audio uploads get 400
+
+    assert parser.parse_args([]).middleware == [MIDDLEWARE, AUDIO_MIDDLEWARE]
+    assert parser.parse_args(["--middleware", "my.Mw"]).middleware == [MIDDLEWARE, AUDIO_MIDDLEWARE, "my.Mw"]
     MbltPlatform.pre_register_and_update(None)  # the offline LLM passes no parser

@@ -38,6 +38,8 @@ ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 MOE_RELEASE_ENV = "NPU_HARNESS_MBLT_MOE_RELEASE"
 #: On ``mblt-hw``: the directory of a Mobilint EAGLE-3 release (``eagle3_*`` scenarios).
 EAGLE3_RELEASE_ENV = "NPU_HARNESS_MBLT_EAGLE3_RELEASE"
+#: On ``mblt-hw``: the directory of a Mobilint Qwen3-ASR release (``asr_*`` scenarios).
+ASR_RELEASE_ENV = "NPU_HARNESS_MBLT_ASR_RELEASE"
 #: Cards the simulated MoE release is placed on (the release's default placement: 3).
 MOE_DEVICES = 3
 CONFIG_MARK = "NPU_HARNESS_CONFIG "
@@ -81,6 +83,8 @@ class MbltLab(DeviceLab):
     _moe_golden: Any = None
     _eagle3: Path | None = None
     _eagle3_golden: Any = None
+    _asr: Path | None = None
+    _asr_golden: Any = None
 
     device: ClassVar[str] = "mblt"
     max_model_len: ClassVar[int] = 1024
@@ -294,6 +298,41 @@ class MbltLab(DeviceLab):
             self.eagle3_release()
             self._eagle3_golden = Decoder.from_pretrained(self.workdir / "tiny-eagle3")
         return self._eagle3_golden
+
+    # ------------------------------------------------------------------ Qwen3-ASR
+    def asr_release(self) -> Path:
+        """A Qwen3-ASR release: on ``mblt-sim`` the tiny fitted Qwen3-ASR checkpoint
+        (``make-model --arch qwen3_asr``) compiled by ``mxq compile`` in the release layout; on
+        ``mblt-hw`` the directory ``NPU_HARNESS_MBLT_ASR_RELEASE`` names.
+
+        Raises:
+            ArtifactUnavailable: on hardware, the variable is not set.
+        """
+        if self._asr is None:
+            if self.simulated:
+                from npusim.mxq.compile import compile_artifact
+                from npusim.tinymodel.asr import build_qwen3_asr
+
+                hf = build_qwen3_asr(self.workdir / "tiny-qwen3-asr")
+                self._asr = compile_artifact(hf, self.workdir / "qwen3-asr-release", hub_proxy=self.hub_proxy)
+            else:
+                raw = os.environ.get(ASR_RELEASE_ENV, "")
+                if not raw:
+                    raise ArtifactUnavailable(f"set {ASR_RELEASE_ENV} to a Mobilint Qwen3-ASR release directory")
+                self._asr = Path(raw)
+        return self._asr
+
+    def asr_golden(self):
+        """The golden Qwen3-ASR pipeline of the simulated release
+        (``npusim.llm.asr_reference.AsrReference``; None on hardware)."""
+        if not self.simulated:
+            return None
+        if self._asr_golden is None:
+            from npusim.llm.asr_reference import AsrReference
+
+            self.asr_release()
+            self._asr_golden = AsrReference.from_pretrained(self.workdir / "tiny-qwen3-asr")
+        return self._asr_golden
 
     # ------------------------------------------------------------------ vLLM
 

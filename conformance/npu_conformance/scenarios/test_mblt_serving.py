@@ -437,3 +437,268 @@ def test_eagle3_start_rules(target, record, device_labs):
     assert "error" not in cfg, cfg
     assert cfg["enable_prefix_caching"] is False and cfg["max_num_seqs"] == 1, cfg
     record.figure("max_model_len", cfg["max_model_len"])
+
+
+# ---------------------------------------------------------------------------------------------
+# Qwen3-ASR (issue 14 §2)
+
+#: The documented command line of a Qwen3-ASR server (``--max-num-seqs 1``: the artifact declares
+#: no max_batch_size, so without it vLLM interleaves requests on the batch-1 decoder).
+ASR_ARGS = ["--max-num-seqs", "1"]
+ASR_PREFACE = "language English<asr_text>"
+
+
+def _asr(lab):
+    try:
+        return lab.asr_release()
+    except ArtifactUnavailable as exc:
+        pytest.skip(str(exc))
+
+
+def _pcm(wav: bytes):
+    """The float32 samples of a WAV written by :func:`npu_conformance.audio.wav_bytes`, as vLLM's
+    decoder reads them."""
+    import numpy as np
+
+    return np.frombuffer(wav[44:], dtype="<i2").astype(np.float32) / 32768.0
+
+
+class _AsrCase:
+    """The clips a scenario sends and, on the simulator, what the golden pipeline makes of them."""
+
+    def __init__(self, lab) -> None:
+        from npu_conformance.audio import wav_bytes
+
+        self.lab = lab
+        self.release = _asr(lab)
+        self.golden = lab.asr_golden()
+        from npusim.tinymodel import asr as tiny_asr
+
+        self.tiny = tiny_asr
+        self.names = sorted(tiny_asr.CLIPS)
+        self.wav = {n: wav_bytes(tiny_asr.clip_samples(n)) for n in self.names}
+        #: the samples as the server decodes the WAV (16-bit PCM / 32768)
+        self.samples = {n: _pcm(w) for n, w in self.wav.items()}
+        self._tok = None
+
+    def server(self) -> vs.Server:
+        return self.lab.server(self.release, ASR_ARGS)
+
+    @property
+    def tokenizer(self):
+        if self._tok is None:
+            from transformers import AutoTokenizer
+
+            self._tok = AutoTokenizer.from_pretrained(str(self.release))
+        return self._tok
+
+    def golden_text(self, samples, *, language: str | None = None, context: str | None = None,
+                    max_new_tokens: int | None = 64) -> str | None:
+        """The golden transcript of one chunk (as the server decodes it), None on hardware. The
+        prompt is vLLM's Qwen3-ASR transcription prompt, built here from its documented format.
+        ``max_new_tokens`` None: up to the 2048-token limit (a transcription's default)."""
+        if self.golden is None:
+            return None
+        from npusim.llm.audio_encoder import audio_token_count
+        from npusim.llm.mel import log_mel
+
+        mel = log_mel(samples)
+        n = audio_token_count(mel.shape[1])
+        text = (f"<|im_start|>system\n{context}<|im_end|>\n" if context else "")
+        text += (f"<|im_start|>user\n<|audio_start|>{'<|audio_pad|>' * n}<|audio_end|><|im_end|>\n"
+                 "<|im_start|>assistant\n")
+        if language:
+            text += f"language {language}<asr_text>"
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        eos = json.loads((self.release / "generation_config.json").read_text())["eos_token_id"]
+        if max_new_tokens is None:
+            max_new_tokens = 2048 - len(ids)
+        out = self.golden.generate_greedy(ids, mel, max_new_tokens, eos if isinstance(eos, list) else [eos])
+        return self.tokenizer.decode(out, skip_special_tokens=True)
+
+
+def _text(res) -> str:
+    assert res.status == 200, (res.status, res.body)
+    return res.body["text"] if isinstance(res.body, dict) else res.body
+
+
+def test_asr_transcription_greedy(target, record, device_labs):
+    """``/v1/audio/transcriptions``: with ``language`` the text is the transcript alone; without it
+    the model's own ``language English<asr_text>`` preface is kept before it. On the simulator each
+    clip's text equals the golden pipeline's (the tiny model is fitted to known transcripts); on a
+    board, a rerun agrees."""
+    case = _AsrCase(_lab(device_labs, target))
+    server = case.server()
+    for name in case.names:
+        forced = _text(server.transcribe(case.wav[name], language="en", temperature=0))
+        native = _text(server.transcribe(case.wav[name], temperature=0))
+        if case.golden is not None:
+            assert forced == case.golden_text(case.samples[name], language="English") == case.tiny.TRANSCRIPTS[name]
+            assert native == case.golden_text(case.samples[name]) == ASR_PREFACE + case.tiny.TRANSCRIPTS[name]
+        else:
+            assert forced == _text(server.transcribe(case.wav[name], language="en", temperature=0))
+            assert native.startswith("language "), native
+    record.figure("clips", len(case.names))
+
+
+def test_asr_long_audio_is_chunked(target, record, device_labs):
+    """Audio longer than the 30 s window is split by vLLM and transcribed chunk by chunk: the text
+    is the chunks' texts joined by a space, and without ``language`` the preface comes once per
+    chunk."""
+    from vllm.multimodal.audio import split_audio
+
+    from npu_conformance.audio import SAMPLE_RATE, wav_bytes
+
+    case = _AsrCase(_lab(device_labs, target))
+    server = case.server()
+    import numpy as np
+
+    clip = np.concatenate([case.samples[n] for n in case.names] * 12)[: 38 * SAMPLE_RATE]
+    # what vLLM 0.32's transcription endpoint does with it (its defaults: 30 s, 1 s overlap search, 1600)
+    chunks = split_audio(clip.astype(np.float32), SAMPLE_RATE, max_clip_duration_s=30,
+                         overlap_duration_s=1, min_energy_window_size=1600)
+    assert len(chunks) == 2
+    native = _text(server.transcribe(wav_bytes(clip), temperature=0))
+    if case.golden is not None:  # the tiny model is fitted on short clips: a 30 s chunk gives other text
+        parts = split_audio(_pcm(wav_bytes(clip)), SAMPLE_RATE, max_clip_duration_s=30, overlap_duration_s=1,
+                            min_energy_window_size=1600)
+        assert native == " ".join(case.golden_text(p, max_new_tokens=None) for p in parts)
+    else:  # a real model prefaces each chunk's text
+        assert native.count(ASR_PREFACE.split("<")[0]) == len(chunks), native
+    record.figure("chunks", len(chunks))
+
+
+def _audio_part(wav: bytes) -> dict:
+    import base64
+
+    return {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+
+
+def _chat(server, messages, max_tokens: int = 64):
+    return server.request("POST", "/v1/chat/completions", {"model": server.model, "messages": messages,
+                                                           "max_tokens": max_tokens, "temperature": 0})
+
+
+def test_asr_prompt_and_chat(target, record, device_labs):
+    """The transcription ``prompt`` reaches the model as context (a system turn); on the chat
+    endpoint only the system message and the audio are kept (a user text part changes nothing),
+    and the reply starts with the model's preface."""
+    case = _AsrCase(_lab(device_labs, target))
+    server = case.server()
+    name = case.names[0]
+    context = "tones and beeps"
+    with_prompt = _text(server.transcribe(case.wav[name], language="en", prompt=context, temperature=0))
+    system = {"role": "system", "content": context}
+    res = _chat(server, [system, {"role": "user", "content": [{"type": "text", "text": "please ignore this"},
+                                                               _audio_part(case.wav[name])]}])
+    assert res.status == 200, res.body
+    chat = res.body["choices"][0]["message"]["content"]
+    res = _chat(server, [system, {"role": "user", "content": [_audio_part(case.wav[name])]}])
+    assert res.status == 200, res.body
+    assert res.body["choices"][0]["message"]["content"] == chat
+    if case.golden is not None:
+        assert with_prompt == case.golden_text(case.samples[name], language="English", context=context)
+        assert chat == case.golden_text(case.samples[name], context=context)
+    else:  # a real model's reply starts with its preface (the tiny one is fitted without context)
+        assert chat.startswith("language "), chat
+    record.figure("chat_reply_chars", len(chat))
+
+
+def test_asr_endpoint_rules(target, record, device_labs):
+    """``max_model_len`` is clamped to 2048 (log line; ``/v1/models`` says so); a chat request
+    whose audio runs past it gets HTTP 400, the same audio sent again gets its 400 again, and sent
+    to the transcription endpoint (which splits it) it is served: the processor cache is off, so
+    the refused request left nothing out of step. One clip per request: two clips get 400. ``/v1/audio/translations``
+    gets 400: the model transcribes and does not translate."""
+    import numpy as np
+
+    from npu_conformance.audio import SAMPLE_RATE, wav_bytes
+
+    case = _AsrCase(_lab(device_labs, target))
+    server = case.server()
+    models = server.request("GET", "/v1/models").body
+    assert models["data"][0]["max_model_len"] == 2048, models
+    assert "Clamping max_model_len from" in server.log_text()
+    name = case.names[0]
+    res = server.transcribe(case.wav[name], path="/v1/audio/translations", temperature=0)
+    assert res.status == 400 and "does not translate" in json.dumps(res.body), (res.status, res.body)
+    res = _chat(server, [{"role": "user", "content": [_audio_part(case.wav[name]), _audio_part(case.wav[name])]}])
+    assert res.status == 400, (res.status, res.body)
+    long_clip = wav_bytes(np.concatenate([case.samples[n] for n in case.names] * 60)[: 170 * SAMPLE_RATE])
+    for _ in range(2):  # refused after preprocessing (2223 tokens), and the same audio again
+        res = _chat(server, [{"role": "user", "content": [_audio_part(long_clip)]}])
+        assert res.status == 400 and "maximum context length (2048)" in json.dumps(res.body), (
+            res.status, str(res.body)[:500])
+    again = server.transcribe(long_clip, language="en", temperature=0)
+    assert again.status == 200 and _text(again), (again.status, str(again.body)[:500])
+    assert _text(server.transcribe(case.wav[name], language="en", temperature=0)) == (
+        case.golden_text(case.samples[name], language="English")
+        if case.golden is not None else _text(server.transcribe(case.wav[name], language="en", temperature=0)))
+    record.figure("long_clip_chars", len(_text(again)))
+
+
+def test_asr_hostile_uploads(target, record, device_labs):
+    """Malformed and truncated audio files each get a 4xx naming the problem, and the server
+    stays up and keeps transcribing correctly (vLLM 0.11.2 could hang on some malformed long
+    uploads; vLLM 0.32 must not)."""
+    from npu_conformance.audio import hostile_uploads
+
+    case = _AsrCase(_lab(device_labs, target))
+    server = case.server()
+    long_name = max(case.names, key=lambda n: len(case.wav[n]))
+    statuses = {}
+    for kind, data in hostile_uploads(case.wav[long_name]).items():
+        t0 = time.monotonic()
+        res = server.transcribe(data, language="en", temperature=0, timeout=120)
+        statuses[kind] = res.status
+        assert 400 <= res.status < 500, (kind, res.status, str(res.body)[:300])
+        assert time.monotonic() - t0 < 60, kind
+        assert server.healthy(), kind
+    truncated = hostile_uploads(case.wav[long_name])["truncated"]
+    res = _chat(server, [{"role": "user", "content": [_audio_part(truncated)]}])  # inline audio too
+    assert res.status == 400 and "messages[0].content[0]" in json.dumps(res.body), (res.status, res.body)
+    name = case.names[0]
+    got = _text(server.transcribe(case.wav[name], language="en", temperature=0))
+    if case.golden is not None:
+        assert got == case.golden_text(case.samples[name], language="English")
+    record.figure("hostile_uploads", len(statuses) + 1)
+
+
+def test_asr_start_rules(target, record, device_labs):
+    """vLLM's resolved config for a Qwen3-ASR release: ``max_model_len`` 2048 (an explicit larger
+    value is clamped too), prefix caching off; more than one clip per prompt, and a top-level
+    ``mxq_path`` (the release has two MXQs), stop the server naming the value."""
+    lab = _lab(device_labs, target)
+    release = _asr(lab)
+    runs = lab.engine_configs([["--model", str(release)],
+                               ["--model", str(release), "--max-model-len", "4096", "--enable-prefix-caching"],
+                               ["--model", str(release), "--limit-mm-per-prompt", json.dumps({"audio": 2})]])
+    for cfg in runs[:2]:
+        assert "error" not in cfg, cfg
+        assert cfg["max_model_len"] == 2048 and cfg["enable_prefix_caching"] is False, cfg
+    assert runs[0]["max_num_seqs"] == 1, runs[0]  # no max_batch_size declared: one sequence, as --max-num-seqs 1
+    assert "--limit-mm-per-prompt audio=2" in runs[2]["error"], runs[2]
+    log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"mxq_path": "decoder.mxq"})])
+    assert "a single top-level mxq_path is only meaningful for single-module text models" in log, log[-3000:]
+    record.figure("max_model_len", runs[0]["max_model_len"])
+
+
+def test_asr_concurrent_requests(target, record, device_labs):
+    """Concurrent transcriptions on the documented ``--max-num-seqs 1`` server each equal the
+    same request sent alone; a streamed transcription's deltas join to the same text."""
+    case = _AsrCase(_lab(device_labs, target))
+    server = case.server()
+    solo = [_text(server.transcribe(case.wav[n], language="en", temperature=0)) for n in case.names]
+    with cf.ThreadPoolExecutor(len(case.names)) as ex:
+        together = list(ex.map(lambda n: _text(server.transcribe(case.wav[n], language="en", temperature=0)),
+                               case.names))
+    assert together == solo
+    form = {"model": server.model, "language": "en", "temperature": "0", "stream": "true"}
+    body, ctype = vs.multipart(form, {"file": ("clip.wav", case.wav[case.names[0]], "audio/wav")})
+    raw = server.request("POST", "/v1/audio/transcriptions", body, content_type=ctype)
+    assert raw.status == 200, raw.body
+    deltas = [json.loads(line[len("data: "):]) for line in str(raw.body).splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    streamed = "".join(d["choices"][0].get("delta", {}).get("content") or "" for d in deltas if d.get("choices"))
+    assert streamed == solo[0], (streamed, solo[0])
+    record.figure("concurrent", len(case.names))

@@ -1,4 +1,4 @@
-"""transformers config classes of Mobilint text artifacts (``model_type: mobilint-<family>``).
+"""transformers config classes of Mobilint artifacts (``model_type: mobilint-<family>``).
 
 Each is the family's own config class under the Mobilint model type, defined at module level
 so vLLM can pickle it into the engine processes it spawns. Registered with transformers'
@@ -7,7 +7,10 @@ so vLLM can pickle it into the engine processes it spawns. Registered with trans
 
 from __future__ import annotations
 
+from typing import Any
+
 from transformers import Exaone4Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from vllm.transformers_utils.configs.qwen3_asr import Qwen3ASRConfig
 
 
 class MobilintLlamaConfig(LlamaConfig):
@@ -62,3 +65,18 @@ class MobilintQwen3Eagle3Config(Qwen3Config):
     """``Qwen3Config`` of a Mobilint EAGLE-3 release on a Qwen3 base (``mobilint-qwen3-eagle3``)."""
 
     model_type = "mobilint-qwen3-eagle3"
+
+
+class MobilintQwen3ASRConfig(Qwen3ASRConfig):
+    """vLLM's ``Qwen3ASRConfig`` of a Mobilint speech-to-text release (``model_type``
+    ``mobilint-qwen3_asr``): vLLM's Qwen3-ASR processor reads its ``thinker_config``; the
+    ``mxq_path`` and layout keys of ``thinker_config.audio_config`` / ``text_config`` and the
+    top-level ``encoder_*`` / ``decoder_*`` keys are kept as attributes for
+    :mod:`vllm_npu.mblt.asr`."""
+
+    model_type = "mobilint-qwen3_asr"
+
+    def __init__(self, thinker_config: Any = None, **kwargs: Any) -> None:
+        # Spelled out: transformers 5 gives a config subclass without its own __init__ a generated
+        # one, which would keep thinker_config a dict instead of vLLM's Qwen3ASRThinkerConfig.
+        super().__init__(thinker_config=thinker_config, **kwargs)

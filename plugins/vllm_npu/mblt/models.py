@@ -6,13 +6,16 @@ checks the architecture against its model registry before the platform's worker 
 both have to be known in every vLLM process:
 
 - :func:`register` adds a transformers config class per Mobilint model type
-  (:mod:`vllm_npu.mblt.hf_configs`), and registers each architecture with
-  vLLM's ``ModelRegistry`` as :class:`MobilintForCausalLM`.
+  (:mod:`vllm_npu.mblt.hf_configs`), and registers each text architecture with
+  vLLM's ``ModelRegistry`` as :class:`MobilintForCausalLM`, each multimodal one
+  (:data:`MULTIMODAL_MODEL_TYPES`: Qwen3-ASR) as its own class (for ASR
+  :class:`vllm_npu.mblt.asr_model.MobilintQwen3ASRForConditionalGeneration`, which carries vLLM's
+  Qwen3-ASR processor and transcription hooks).
 - :class:`MobilintForCausalLM` is a placeholder that satisfies vLLM's model interface
   checks. The MBLT worker never builds it: the model runs inside the MXQ, through the
   runtime API. Building it raises :class:`MobilintModelNotBuildable`.
 - :func:`refuse_unbuilt_release`: a release of a kind vllm-mblt serves and this plugin does not
-  yet (:data:`NOT_BUILT_MODEL_TYPES`: VLM, ASR) is refused before vLLM parses
+  yet (:data:`NOT_BUILT_MODEL_TYPES`: the VLMs) is refused before vLLM parses
   its config, with :class:`MobilintReleaseNotBuilt` naming the issue that builds it (otherwise
   vLLM would stop on an unknown model type or architecture, which says nothing of why).
 """
@@ -38,12 +41,18 @@ TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
     "mobilint-qwen3-eagle3": ("MobilintQwen3Eagle3ForCausalLM", "MobilintQwen3Eagle3Config"),
 }
 
+#: Mobilint multimodal model type -> (architecture, config class name, ``module:Class`` of its
+#: vLLM registry class).
+MULTIMODAL_MODEL_TYPES: dict[str, tuple[str, str, str]] = {
+    "mobilint-qwen3_asr": ("MobilintQwen3ASRForConditionalGeneration", "MobilintQwen3ASRConfig",
+                           "vllm_npu.mblt.asr_model:MobilintQwen3ASRForConditionalGeneration"),
+}
+
 #: Mobilint release model types that vllm-mblt 0.8.0 serves and this plugin does not yet ->
 #: (what the release is, the issue that builds it).
 NOT_BUILT_MODEL_TYPES: dict[str, tuple[str, int]] = {
     "mobilint-qwen2_vl": ("a vision-language (Qwen2-VL) release", 14),
     "mobilint-qwen3_vl": ("a vision-language (Qwen3-VL) release", 14),
-    "mobilint-qwen3_asr": ("a speech-to-text (Qwen3-ASR) release", 14),
 }
 
 _REGISTERED = False
@@ -76,7 +85,7 @@ def refuse_unbuilt_release(model: str | os.PathLike | None) -> None:
         raise MobilintReleaseNotBuilt(
             f"{model}: model_type {model_type!r} is {what}, which vllm-mblt serves and the MBLT "
             f"plugin does not yet (issue {issue}); the plugin serves the text releases "
-            f"({', '.join(TEXT_MODEL_TYPES)})"
+            f"({', '.join(TEXT_MODEL_TYPES)}) and {', '.join(MULTIMODAL_MODEL_TYPES)}"
         )
 
 
@@ -122,6 +131,13 @@ def register() -> None:
                 pass  # already registered in this process
             if arch not in ModelRegistry.get_supported_archs():
                 ModelRegistry.register_model(arch, "vllm_npu.mblt.models:MobilintForCausalLM")
+        for model_type, (arch, config_name, cls_path) in MULTIMODAL_MODEL_TYPES.items():
+            try:
+                AutoConfig.register(model_type, getattr(hf_configs, config_name))
+            except ValueError:
+                pass
+            if arch not in ModelRegistry.get_supported_archs():
+                ModelRegistry.register_model(arch, cls_path)
         _REGISTERED = True
     except Exception as exc:  # noqa: BLE001 - a general plugin must not stop vLLM
         logger.warning("vllm_npu.mblt: could not register the Mobilint model types: %s", exc)

@@ -183,6 +183,46 @@ def _eagle3_refusals(params: Any) -> list[str]:
     return [name for name, refused in checks if refused]
 
 
+ASR_PREFIX_CACHE_OFF = ("Disabling prefix caching for Qwen3-ASR: vLLM drops the audio features of a prompt span its "
+                       "prefix cache covers, so every request encodes its audio and feeds its whole prompt.")
+ASR_CLAMP_LOG = ("MBLT platform: Clamping max_model_len from %d to %d for Qwen3-ASR: a request whose audio runs "
+                  "past token %d can stall the NPU (the artifact declares more)")
+
+
+def _asr_rules(vllm_config: Any) -> None:
+    """A Qwen3-ASR release (vllm-mblt's rules): ``max_model_len`` at most
+    :data:`vllm_npu.mblt.asr.ASR_MAX_MODEL_LEN` (logged when clamped, the user's value included;
+    longer prompts then get vLLM's HTTP 400), vLLM's multimodal processor cache off (the worker
+    needs every request's features), and one audio clip per prompt.
+
+    Raises:
+        vllm_npu.mblt.settings.MbltConfigError: ``--limit-mm-per-prompt`` allows more than one
+            audio clip, or any other modality.
+    """
+    from vllm.config.multimodal import AudioDummyOptions
+
+    from vllm_npu.mblt import settings
+    from vllm_npu.mblt.asr import ASR_MAX_MODEL_LEN
+
+    model_config = vllm_config.model_config
+    if model_config.max_model_len > ASR_MAX_MODEL_LEN:
+        logger.warning(ASR_CLAMP_LOG, model_config.max_model_len, ASR_MAX_MODEL_LEN, ASR_MAX_MODEL_LEN)
+        model_config.max_model_len = ASR_MAX_MODEL_LEN
+    mm = model_config.multimodal_config
+    if mm is None:
+        return
+    if mm.mm_processor_cache_gb:
+        logger.info("MBLT platform: multimodal processor cache off for Qwen3-ASR (was %s GiB)",
+                    mm.mm_processor_cache_gb)
+        mm.mm_processor_cache_gb = 0
+    for modality, opts in mm.limit_per_prompt.items():
+        if modality != "audio" or opts.count > 1:
+            raise settings.MbltConfigError(
+                f"--limit-mm-per-prompt {modality}={opts.count}: Mobilint Qwen3-ASR takes one audio clip per "
+                "request (and no other modality)")
+    mm.limit_per_prompt["audio"] = AudioDummyOptions(count=1)
+
+
 def _moe_rules(artifact: dict[str, Any], overrides: Any) -> None:
     """A Mixture-of-Experts release: one sequence at a time, placement by role (its
     ``max_model_len`` is clamped as any artifact's: :func:`_clamp_max_model_len`).
@@ -250,6 +290,11 @@ class MbltPlatform(NpuPlatform):
             _moe_rules(artifact, overrides)
         if eagle3:
             _eagle3_rules(artifact, overrides)
+        from vllm_npu.mblt.asr import is_asr_release
+
+        asr = is_asr_release(artifact)
+        if asr:
+            _asr_rules(vllm_config)
         if user["max_model_len"] is None:
             _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
@@ -268,6 +313,9 @@ class MbltPlatform(NpuPlatform):
                 logger.info(EAGLE3_PREFIX_CACHE_OFF)
             plan = dataclasses.replace(plan, max_num_seqs=1, max_num_batched_tokens=plan.max_num_batched_tokens
                                        // max(1, plan.max_num_seqs), enable_prefix_caching=False)
+        if asr and plan.enable_prefix_caching:
+            logger.info(ASR_PREFIX_CACHE_OFF)
+            plan = dataclasses.replace(plan, enable_prefix_caching=False)
         cache.block_size = plan.block_size
         cache.enable_prefix_caching = plan.enable_prefix_caching
         sched.enable_chunked_prefill = True
@@ -285,7 +333,9 @@ class MbltPlatform(NpuPlatform):
 
     @classmethod
     def pre_register_and_update(cls, parser: Any = None) -> None:
-        """Turn ``VLLM_TORCH_PROFILER_DIR`` into vLLM's profiler config for this server.
+        """Add :data:`vllm_npu.audio_uploads.MIDDLEWARE` to ``--middleware``'s default (a bad
+        audio upload gets 400 before vLLM decodes it), and turn ``VLLM_TORCH_PROFILER_DIR`` into
+        vLLM's profiler config for this server.
 
         vLLM 0.32 registers ``/start_profile`` and ``/stop_profile`` only when
         ``--profiler-config`` names a profiler; with ``VLLM_TORCH_PROFILER_DIR`` set (the
@@ -294,6 +344,11 @@ class MbltPlatform(NpuPlatform):
         worker's ``profile`` hook records the qbruntime NPU trace beside it.
         """
         super().pre_register_and_update(parser)
+        from vllm_npu import audio_uploads
+
+        current = parser.get_default("middleware") if parser is not None and hasattr(parser, "get_default") else None
+        if current is not None and audio_uploads.MIDDLEWARE not in current:
+            parser.set_defaults(middleware=[*current, audio_uploads.MIDDLEWARE])
         trace_dir = os.environ.get(TRACE_DIR_ENV, "")
         if parser is None or not trace_dir:
             return

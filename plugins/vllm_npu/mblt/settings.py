@@ -518,7 +518,25 @@ def parse_loader_extra_config(raw: Mapping[str, object] | str | None) -> LayoutO
 
 def mxq_path_of(model_dir: str, artifact: Mapping[str, object], overrides: LayoutOverrides) -> str | None:
     """The MXQ file the worker loads: ``mxq_path`` of ``--model-loader-extra-config``, else of
-    the artifact's ``config.json``, joined to ``model_dir``; None when neither names one."""
+    the artifact's ``config.json``, joined to ``model_dir``; None when neither names one. For a
+    Qwen3-ASR release, its text decoder's (:class:`vllm_npu.mblt.asr.AsrRelease`).
+
+    Raises:
+        MbltConfigError: ``mxq_path`` given for a Qwen3-ASR release (it has two MXQs).
+    """
+    if artifact.get("model_type") == "mobilint-qwen3_asr":
+        from vllm_npu.mblt.asr import AsrRelease
+        from vllm_npu.mblt.errors import MbltBackendError
+
+        if overrides.extra.get("mxq_path"):
+            raise MbltConfigError(
+                f"mxq_path={overrides.extra['mxq_path']!r}: a Qwen3-ASR release has two MXQs; a single "
+                "top-level mxq_path is only meaningful for single-module text models, use "
+                "encoder_mxq_path and/or decoder_mxq_path")
+        try:
+            return AsrRelease.resolve(model_dir, artifact, overrides.extra, 0).decoder_mxq
+        except MbltBackendError:
+            return None
     rel = overrides.extra.get("mxq_path") or artifact.get("mxq_path")
     return str(Path(model_dir) / str(rel)) if rel else None
 

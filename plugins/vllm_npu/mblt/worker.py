@@ -20,6 +20,13 @@ Per step:
    different slots in one dispatch;
 4. requests whose prompt is complete sample on the host (:mod:`vllm_npu.host_sampling`).
 
+A Qwen3-ASR release (:mod:`vllm_npu.mblt.asr`) adds its audio-encoder MXQ: a new request's audio
+features are encoded once, when it arrives, and the embeddings are written over its
+``<|audio_pad|>`` placeholders' rows whenever those positions are fed to the decoder MXQ. For the
+KV bookkeeping (what a slot or a prefix snapshot holds) each audio position counts as a token of
+its own, derived from the clip's hash, so a snapshot is reused only for the same audio, never for
+another clip of the same length.
+
 Prompt logprobs (``prompt_logprobs``, and ``echo`` with logprobs) are scored as the prompt is
 computed (:mod:`vllm_npu.mblt.prompt_logprobs`): one infer per chunk on an MXQ that emits every
 position's logits, else the seed's 1-token microstep path for that request (the others in its
@@ -29,6 +36,7 @@ never started from a snapshot; when it finishes, its KV becomes a snapshot like 
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import os
@@ -45,6 +53,7 @@ from vllm_npu._worker import NpuWorker
 from vllm_npu.host_sampling import num_logprobs, request_generator, scatter_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
+from vllm_npu.mblt.asr import AsrEncoder, AsrRelease, feature_rows, is_asr_release
 from vllm_npu.mblt.backend import BackendLayout, MbltBackend, Row
 from vllm_npu.mblt.eagle3_backend import Eagle3Backend, Eagle3Release, is_eagle3_release, loader_layout
 from vllm_npu.mblt.moe_backend import BATCH_REFUSAL, MoeBackend, MoePlacement, is_moe_release
@@ -89,14 +98,27 @@ class _Req:
     num_computed: int = 0
     #: the prompt-logprob rows being filled (None: not asked, or already returned)
     prompt_logprobs: PromptLogprobs | None = None
+    #: audio: prompt positions of the audio embeddings, and the embeddings ``[n, hidden]``
+    audio_pos: np.ndarray | None = None
+    audio_rows: np.ndarray | None = None
+    #: the prompt's ids for KV bookkeeping: audio positions hold negative clip-derived ids
+    key_prompt_ids: list[int] | None = None
 
     @property
     def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+        """The ids the KV bookkeeping compares (a slot's and a snapshot's ``token_ids``)."""
+        return (self.key_prompt_ids or self.prompt_ids) + self.output_ids
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+def audio_key_ids(identifier: str, n: int) -> list[int]:
+    """Negative ids standing for a clip's ``n`` audio positions in the KV bookkeeping: a pure
+    function of vLLM's item hash, never equal to a token id or another clip's."""
+    return [-1 - int.from_bytes(hashlib.blake2b(f"{identifier}:{i}".encode(), digest_size=7).digest(), "little")
+            for i in range(n)]
 
 
 def _load_embeddings(model_dir: str) -> np.ndarray:
@@ -156,6 +178,8 @@ class MbltWorker(NpuWorker):
         self.backend: MbltBackend | None = None
         #: an EAGLE-3 release's runner (:mod:`vllm_npu.mblt.eagle3_serving`); None otherwise
         self.eagle3 = None
+        #: a Qwen3-ASR release's audio encoder; None otherwise
+        self.audio: AsrEncoder | None = None
         self.reqs: dict[str, _Req] = {}
         self.free_vslots: list[int] = list(range(self.max_batch_size))
         self.snapshots: pc.SnapshotIndex[RequestKV] = pc.SnapshotIndex(pc.MAX_FINISHED_SNAPSHOTS)
@@ -210,19 +234,28 @@ class MbltWorker(NpuWorker):
             self._finish_load(MoeBackend.create(runtime, model_dir, self.artifact, placement, device), runtime,
                               "the Mixture-of-Experts release's shared MXQs")
             return
-        mxq_path = settings.mxq_path_of(model_dir, self.artifact, self.overrides)
-        if mxq_path is None:
-            raise MbltWorkerError(f"{model_dir}/config.json names no mxq_path")
         dev_no = self.overrides.dev_no
         if dev_no is None:
             dev_no = settings.parse_dev_no(self.artifact.get("dev_no", 0), source=f"{model_dir}/config.json")
+        target_cores = self.overrides.target_cores
         core_mode = self.core_mode or "auto"
-        if core_mode == "auto" and self.overrides.target_cores:
+        if is_asr_release(self.artifact):
+            release = AsrRelease.resolve(model_dir, self.artifact, self.overrides.extra, dev_no[0])
+            self.audio = AsrEncoder.create(runtime, release, self._device_name("target_device"))
+            logger.info("MBLT Qwen3-ASR: audio encoder %s on device %d (%s), %d mel bins -> width %d",
+                        release.encoder_mxq, release.encoder_dev_no, release.encoder_core_mode,
+                        self.audio.mel_bins, self.audio.hidden_size)
+            core_mode = self.overrides.core_mode or release.decoder_core_mode or core_mode
+            target_cores = target_cores or release.decoder_target_cores
+        mxq_path = settings.mxq_path_of(model_dir, self.artifact, self.overrides)
+        if mxq_path is None:
+            raise MbltWorkerError(f"{model_dir}/config.json names no mxq_path")
+        if core_mode == "auto" and target_cores:
             core_mode = "single"  # explicit cores place single-core instances
         layout = BackendLayout(
             dev_no=tuple(dev_no),
             core_mode=core_mode,
-            target_cores=self.overrides.target_cores,
+            target_cores=target_cores,
             target_clusters=self.overrides.target_clusters,
             max_batch_size=self.max_batch_size,
             device_name=self._device_name("target_device"),
@@ -230,6 +263,9 @@ class MbltWorker(NpuWorker):
         try:
             backend = MbltBackend.create(runtime, mxq_path, layout)
         except Exception as exc:
+            if self.audio is not None:
+                self.audio.dispose()
+                self.audio = None
             if "MXQAndModelConfigNotMatch" in str(exc):
                 raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
             raise
@@ -292,8 +328,14 @@ class MbltWorker(NpuWorker):
                     f"embedding width {self.embeddings.shape[1]} does not match the MXQ input width "
                     f"{backend.hidden_size}"
                 )
+            if self.audio is not None and self.audio.hidden_size != backend.hidden_size:
+                raise MbltWorkerError(f"the audio encoder's output width {self.audio.hidden_size} does not match "
+                                      f"the decoder MXQ's input width {backend.hidden_size}")
         except Exception:
             backend.dispose()
+            if self.audio is not None:
+                self.audio.dispose()
+                self.audio = None
             raise
         self.backend = backend
         self.runtime = runtime
@@ -398,9 +440,17 @@ class MbltWorker(NpuWorker):
             self.eagle3.shutdown()
             self.eagle3.backend.dispose()
             self.eagle3 = None
+        if self.audio is not None:
+            self.audio.dispose()
+            self.audio = None
         if self.table is not None:
             self.table.clear()
         self.reqs.clear()
+
+    def get_supported_tasks(self) -> tuple[str, ...]:
+        """``generate``; a Qwen3-ASR release also ``transcription`` (vLLM then serves
+        ``/v1/audio/transcriptions`` and ``/v1/audio/translations``)."""
+        return ("generate", "transcription") if is_asr_release(self.artifact) else ("generate",)
 
     def sample_tokens(self, grammar_output):  # noqa: ARG002
         raise NotImplementedError("the MBLT worker samples inside execute_model")
@@ -480,6 +530,8 @@ class MbltWorker(NpuWorker):
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
                   RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"), vslot, gen)
         st.num_computed = new.num_computed_tokens
+        if new.mm_features:
+            self._add_audio(st, new.mm_features)
         assert self.backend is not None
         k = num_logprobs(params, self.backend.vocab_size, "prompt_logprobs")
         if k is not None:
@@ -492,6 +544,38 @@ class MbltWorker(NpuWorker):
                 self._microstep_warned = True
                 logger.warning(MICROSTEP_WARNING)
         self.reqs[new.req_id] = st
+
+    def _add_audio(self, st: _Req, mm_features: list) -> None:
+        """Encode a new request's audio clips (:func:`vllm_npu.mblt.asr.feature_rows`) and give
+        their positions clip-derived ids for the KV bookkeeping.
+
+        Raises:
+            MbltWorkerError: multimodal data for a release without an audio encoder.
+            vllm_npu.mblt.asr.AsrInputError: features the encoder cannot take.
+        """
+        if self.audio is None:
+            raise MbltWorkerError(f"req_id={st.req_id}: multimodal data for a release that takes none")
+        items = feature_rows(mm_features, self.audio)
+        specs = sorted(mm_features, key=lambda f: f.mm_position.offset)
+        st.audio_pos = np.concatenate([pos for pos, _ in items])
+        st.audio_rows = np.concatenate([rows for _, rows in items], axis=0)
+        keys = list(st.prompt_ids)
+        for spec, (pos, _rows) in zip(specs, items):
+            for p, k in zip(pos.tolist(), audio_key_ids(spec.identifier, pos.size)):
+                keys[p] = k
+        st.key_prompt_ids = keys
+
+    def _embeds(self, st: _Req, start: int, n: int) -> np.ndarray:
+        """Input embeddings of ``st``'s positions ``[start, start + n)``: the token embeddings,
+        with the audio embeddings at the audio positions."""
+        ids = (st.prompt_ids + st.output_ids)[start:start + n]
+        x = self.embeddings[ids]
+        if st.audio_pos is not None:
+            sel = (st.audio_pos >= start) & (st.audio_pos < start + n)
+            if sel.any():
+                x = x.copy()
+                x[st.audio_pos[sel] - start] = st.audio_rows[sel]
+        return x
 
     def _resume(self, st: _Req) -> None:
         if self.max_batch_size > 1 and st.vslot is None:
@@ -663,7 +747,7 @@ class MbltWorker(NpuWorker):
         A request asking for prompt logprobs scores each piece's positions as they come."""
         while pending:
             pieces = [ids[start:start + self._piece_width(st, start)] for _i, st, ids, start in pending]
-            rows = [Row(*st.kv.slot, self.embeddings[piece], start)
+            rows = [Row(*st.kv.slot, self._embeds(st, start, len(piece)), start)
                     for (_i, st, _ids, start), piece in zip(pending, pieces)]
             for item, piece, r in zip(pending, pieces, self._infer(rows)):
                 i, st, _ids, start = item

@@ -9,7 +9,8 @@ Output directory::
 
 A qwen3_moe checkpoint becomes a Mixture-of-Experts release instead (:mod:`npusim.mxq.compile_moe`);
 with ``eagle3`` options, a base and its EAGLE-3 draft become an EAGLE-3 release
-(:mod:`npusim.mxq.compile_eagle3`).
+(:mod:`npusim.mxq.compile_eagle3`); a qwen3_asr checkpoint becomes a Qwen3-ASR release
+(:mod:`npusim.mxq.compile_asr`).
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ RELEASE_TYPES: dict[str, tuple[str, str]] = {
 NOT_BUILT_RELEASES: dict[str, str] = {}
 #: Model types written as a Mixture-of-Experts release (:mod:`npusim.mxq.compile_moe`).
 MOE_TYPES: tuple[str, ...] = ("qwen3_moe",)
+#: Model types written as a Qwen3-ASR (speech-to-text) release (:mod:`npusim.mxq.compile_asr`).
+ASR_TYPES: tuple[str, ...] = ("qwen3_asr",)
 COPIED_FILES: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
@@ -124,6 +127,12 @@ def compile_artifact(
 ) -> Path:
     """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
 
+    A qwen3_asr checkpoint becomes a Qwen3-ASR release
+    (:func:`npusim.mxq.compile_asr.compile_asr_release`: ``audio_encoder.mxq`` + ``decoder.mxq``):
+    ``max_cache_size``, ``max_width``, ``core_mode``, ``prefill_chunk_size``, ``output_logits``,
+    ``memory_flexible`` and ``hub_proxy`` apply; ``max_batch_size`` must stay 1 (the release's
+    decoder is batch 1 and its config declares no max_batch_size) and ``moe`` must be empty.
+
     A qwen3_moe checkpoint becomes a Mixture-of-Experts release
     (:func:`npusim.mxq.compile_moe.compile_moe_release`, given ``moe``'s keyword arguments):
     its MXQs are single-core, batch 1 and memory-flexible, and emit the last position's logits,
@@ -131,7 +140,9 @@ def compile_artifact(
     their defaults.
 
     Args:
-        hf_dir: an HF model directory (config.json + safetensors) of a llama, qwen2, qwen3, exaone4 or hyperclovax model (:data:`RELEASE_TYPES`), or of a qwen3_moe model (:data:`MOE_TYPES`).
+        hf_dir: an HF model directory (config.json + safetensors) of a llama, qwen2, qwen3, exaone4 or
+            hyperclovax model (:data:`RELEASE_TYPES`), of a qwen3_moe model (:data:`MOE_TYPES`) or of a
+            qwen3_asr model (:data:`ASR_TYPES`).
         out_dir: destination (created; our files overwritten).
         max_batch_size: K, cache ids per Model (>= 1; > 1 needs core_mode single or auto).
         max_cache_size: T, KV capacity in tokens per cache id; default
@@ -195,6 +206,18 @@ def compile_artifact(
                                       **dict(eagle3))
     if raw.get("model_type") in NOT_BUILT_RELEASES:
         raise NotImplementedError(NOT_BUILT_RELEASES[raw["model_type"]])
+    if raw.get("model_type") in ASR_TYPES:
+        _require_fixed({"max_batch_size": (k, 1)}, "a Qwen3-ASR release",
+                       "its decoder MXQ is compiled for batch 1 and the release's config declares no max_batch_size; "
+                       "serve it with --max-num-seqs 1")
+        if moe:
+            raise ValueError(f"Mixture-of-Experts options {sorted(moe)} do not apply to a Qwen3-ASR checkpoint "
+                             f"(model_type {raw['model_type']!r}): it has no experts")
+        from .compile_asr import compile_asr_release
+
+        return compile_asr_release(src, out, max_cache_size=max_cache_size, max_width=max_width, core_mode=core_mode,
+                                   prefill_chunk_size=prefill_chunk_size, output_logits=output_logits,
+                                   memory_flexible=memory_flexible, hub_proxy=hub_proxy)
     if raw.get("model_type") in MOE_TYPES:
         _require_fixed({"max_batch_size": (k, 1), "core_mode": (core_mode, "single"),
                         "output_logits": (output_logits, "last"), "memory_flexible": (memory_flexible, True)},

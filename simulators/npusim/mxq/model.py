@@ -1,9 +1,11 @@
 """``Model``: an MXQ artifact on a simulated card, computed by the golden decoder.
 
 The artifact (:mod:`npusim.mxq.mxqfile`) carries a Llama/Qwen2/Qwen3 config and its weights; the
-Model builds a float32 :class:`npusim.llm.Decoder` from them. KV memory: one region per cache id
-(K = ``max_batch_size`` of the artifact), each ``T = max_cache_size`` tokens, allocated on first
-use after ``launch``.
+Model builds a float32 :class:`npusim.llm.Decoder` from them. The other MXQ kinds (header
+``kind``, FORMAT.md) compute with their golden pieces: the MoE parts (:mod:`npusim.llm.moe_parts`),
+the EAGLE-3 kinds (:mod:`npusim.mxq.eagle3_kinds`) and the Qwen3-ASR audio encoder
+(:mod:`npusim.mxq.asr_kinds`, no KV). KV memory: one region per cache id (K = ``max_batch_size``
+of the artifact), each ``T = max_cache_size`` tokens, allocated on first use after ``launch``.
 
 KV semantics: an infer item with ``cache_size = c`` and ``n`` tokens writes positions
 ``[c, c + n)`` of its cache id and attends over ``[0, c + n)``. Nothing tracks what was
@@ -44,6 +46,7 @@ from ..llm.moe_parts import DecoderPart
 from .advanced import AdvancedModelApi, Scale
 from .npu_data import NPUData
 from .eagle3_kinds import EAGLE3_INPUTS, EAGLE3_KINDS, EAGLE3_OUTPUTS, Eagle3InputError, Eagle3Part
+from .asr_kinds import ASR_INPUTS, ASR_KINDS, ASR_OUTPUTS, AudioEncoderPart
 from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
 
 __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
@@ -54,7 +57,7 @@ CORE_MODE_NAMES: dict[str, CoreMode] = {
 #: MXQ kinds (header ``kind``; FORMAT.md) and the names of their outputs, in the default order.
 KIND_OUTPUTS: dict[str, tuple[str, ...]] = {
     "decoder": ("logits",), "moe_shared": ("residual", "expert_in", "gate"), "moe_expert": ("hidden",),
-    "lm_head": ("logits",), **EAGLE3_OUTPUTS,
+    "lm_head": ("logits",), **EAGLE3_OUTPUTS, **ASR_OUTPUTS,
 }
 MXQ_KINDS: tuple[str, ...] = tuple(KIND_OUTPUTS)
 _ids = itertools.count(1)
@@ -121,12 +124,16 @@ class Model(AdvancedModelApi):
         try:
             header, tensors = read_mxq(path)
             self._header = _check_header(header)
-            cfg = LlmConfig.from_dict(header["llm_config"])
             self._kind: str = header.get("kind", "decoder")
+            # an audio encoder's llm_config is its audio config, which is no decoder config
+            cfg = None if self._kind in ASR_KINDS else LlmConfig.from_dict(header["llm_config"])
             self._decoder: Decoder | None = None
             self._part: DecoderPart | None = None
             self._e3: Eagle3Part | None = None
-            if self._kind in EAGLE3_KINDS:
+            self._audio: AudioEncoderPart | None = None
+            if self._kind in ASR_KINDS:
+                self._audio = AudioEncoderPart(header["llm_config"], tensors, source=self._path)
+            elif self._kind in EAGLE3_KINDS:
                 self._e3 = Eagle3Part(self._kind, header["llm_config"], tensors, taps=header.get("eagle3_taps"),
                                       source=self._path)
             elif self._kind == "decoder":
@@ -139,7 +146,7 @@ class Model(AdvancedModelApi):
             sys.stderr.write(f"Unable to load; {exc}\n")
             sys.stderr.flush()
             raise fail("Model_FailedToLoadMXQ", "Failed to load model.", "model_impl.cc:1219") from None
-        self._cfg = cfg
+        self._cfg = cfg  # None for an audio encoder
         self._outputs: list[str] = list(header.get("outputs", KIND_OUTPUTS[self._kind]))
         self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0] * _num_inputs(self._kind))]
         self._out_scales: list[float] = [float(v) for v in header.get("output_scales", [1.0] * len(self._outputs))]
@@ -163,9 +170,10 @@ class Model(AdvancedModelApi):
                        f"The MXQ is compiled for core mode(s) [{allowed}] (batch {self.K}), but the ModelConfig asks for {mode}.",
                        "model.cc:201")
         sig = json.dumps([header["llm_config"], self.K, self.T, self.W], sort_keys=True).encode()
-        layer_bytes = 2 * cfg.num_key_value_heads * self.T * cfg.head_dim * 4
-        kv_layers = {"decoder": range(cfg.num_hidden_layers), "moe_shared": [header.get("layer")],
-                     "eagle3_base": range(cfg.num_hidden_layers), "eagle3_draft": [0]}.get(self._kind, [])
+        layer_bytes = 0 if cfg is None else 2 * cfg.num_key_value_heads * self.T * cfg.head_dim * 4
+        n_layers = 0 if cfg is None else cfg.num_hidden_layers
+        kv_layers = {"decoder": range(n_layers), "moe_shared": [header.get("layer")],
+                     "eagle3_base": range(n_layers), "eagle3_draft": [0]}.get(self._kind, [])
         self._infos = [
             CacheInfo(CacheType.Batch if self.K > 1 else CacheType.Default, f"layer{i}.kv",
                       hashlib.sha256(sig + f"/layer{i}".encode()).hexdigest()[:16], layer_bytes, self.K)
@@ -306,7 +314,10 @@ class Model(AdvancedModelApi):
 
     def get_model_input_shape(self) -> list[tuple[int, ...]]:
         """``[(1, -1, hidden)]``: -1 is the dynamic token axis (``(1, 1, hidden)`` for an lm_head MXQ).
-        EAGLE-3 MXQs: one shape per input, ``-1`` also for the mask's ``cache_size + T`` channels."""
+        EAGLE-3 MXQs: one shape per input, ``-1`` also for the mask's ``cache_size + T`` channels.
+        Audio encoders: their fixed window, ``[(1, num_mel_bins, 100)]``."""
+        if self._audio is not None:
+            return [self._audio.input_shape()]
         if self._e3 is not None:
             return [(1, -1, c) for c in self._e3.input_channels()]
         return [(1, 1 if self._kind == "lm_head" else -1, self._cfg.hidden_size)]
@@ -315,7 +326,9 @@ class Model(AdvancedModelApi):
         """Decoder MXQs: ``[(1, 1, vocab)]`` for last-logit non-batch artifacts, else
         ``[(1, -1, vocab)]``. MoE MXQs: one shape per output (``-1`` the dynamic token axis, 1 on
         a last-only shared MXQ; channels ``hidden``, ``num_experts`` for the router gate, ``vocab``
-        for the lm_head)."""
+        for the lm_head). Audio encoders: ``[(output_dim, 1, 13)]``."""
+        if self._audio is not None:
+            return [self._audio.output_shape()]
         if self._kind == "decoder":
             rows = 1 if (not self._all_logits and self.K == 1) else -1
             return [(1, rows, self._cfg.vocab_size)]
@@ -331,6 +344,8 @@ class Model(AdvancedModelApi):
     def get_input_buffer_info(self) -> list[BufferInfo]:
         """``max_width`` = W tokens per item per call, ``max_cache_size`` = T tokens per cache id (0 without KV)."""
         t = self.T if self._infos else 0
+        if self._audio is not None:
+            return [_buffer_info(*self._audio.input_shape(), 0)]
         if self._e3 is not None:  # one per input; the mask's channels at their widest
             return [_buffer_info(1, self.W, self.T + self.W if c == -1 else c, t) for c in self._e3.input_channels()]
         return [_buffer_info(1, self.W, self._cfg.hidden_size, t)]
@@ -338,6 +353,8 @@ class Model(AdvancedModelApi):
     def get_output_buffer_info(self) -> list[BufferInfo]:
         """``max_width``: W for full logits, K for last-logit batch artifacts, else 1 (MoE MXQs:
         W per output, 1 when last-only)."""
+        if self._audio is not None:
+            return [_buffer_info(*self._audio.output_shape(), 0)]
         if self._kind != "decoder":
             rows = 1 if self._one_row else self.W
             return [_buffer_info(1, rows, self._channels(n), 0) for n in self._outputs]
@@ -447,7 +464,9 @@ class Model(AdvancedModelApi):
                 the wrong size.
         """
         acc = self._launched()
-        if self._e3 is not None:
+        if self._audio is not None:
+            results = self._infer_audio(acc, inputs, cache_size, params)
+        elif self._e3 is not None:
             results = self._infer_eagle3(acc, inputs, cache_size, params)
         else:
             x, rank = self._input(inputs)
@@ -512,6 +531,36 @@ class Model(AdvancedModelApi):
         self._account_infer(acc, t, wall)
         return _with_rank([named[n].astype(np.float32) for n in self._outputs], rank)
 
+    def _infer_audio(self, acc: Accelerator, inputs: Any, cache_size: int,
+                     params: Sequence[BatchParam] | None) -> list[np.ndarray]:
+        """``infer`` of an audio-encoder MXQ (:mod:`npusim.mxq.asr_kinds`): one mel window
+        ``[1, 1, num_mel_bins, 100]`` (or ``[1, num_mel_bins, 100]``) in, ``[1, output_dim, 1, 13]``
+        (``[output_dim, 1, 13]``) out. ``cache_size`` is checked (an int >= 0) and ignored: no KV.
+        Paced as 13 tokens (the window's audio tokens) of kind ``audio_encoder``.
+
+        Raises:
+            ValueError: the wrong number of inputs; ``AudioInputError`` (a ValueError, qbruntime's
+                ``Input shape is invalid.``) for any other shape; a negative cache_size.
+            QbRuntimeError: ``Model_InvalidBatchParam`` (params given: the MXQ takes one window);
+                the injected ``infer_fail_*`` fault.
+        """
+        part = self._audio
+        assert part is not None
+        arrs = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        mel, rank = part.check(arrs)
+        if params is not None:
+            raise fail("Model_InvalidBatchParam", f"This MXQ ({self._kind}) has max batch size 1 and takes no "
+                       "BatchParam.", "model.cc:436")
+        if not _is_int(cache_size) or cache_size < 0:
+            raise ValueError(f"cache_size {cache_size!r} must be an integer >= 0")
+        _raise_injected_fault()
+        wall = time.perf_counter()
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = part.run(mel, rank)
+        machine.note_infer_ok()
+        self._account_infer(acc, part.tokens, wall)
+        return [out]
+
     def _compute(self, x: np.ndarray, cache_size: int, params: Sequence[BatchParam] | None) -> list[np.ndarray]:
         """Check, then run the MXQ on the ``[S, hidden]`` tokens ``x``: one float32 ``[rows, C]`` per output.
 
@@ -559,6 +608,9 @@ class Model(AdvancedModelApi):
 
     def _acquire(self, side: str, shape: Sequence[int], idx: int, upload: bool, dtype: Any) -> NPUData:
         acc = self._launched()
+        if self._cfg is None:
+            raise fail("NotImplemented", f"acquire_{side}_npu_data is not simulated for {self._kind} MXQs (the "
+                       "Qwen3-ASR path calls infer).", "model.cc:720")
         scale = self._io(side, idx)
         dims = [int(d) for d in shape]
         channels = self._cfg.hidden_size if side == "input" else self._channels(self._outputs[idx])
@@ -605,9 +657,9 @@ class Model(AdvancedModelApi):
                 buffer whose shape is not the result's (both named).
         """
         acc = self._launched()
-        if self._e3 is not None:
-            raise fail("NotImplemented", f"infer_npu_data is not simulated for {self._kind} MXQs (the EAGLE-3 path "
-                       "calls infer).", "model.cc:720")
+        if self._e3 is not None or self._audio is not None:
+            raise fail("NotImplemented", f"infer_npu_data is not simulated for {self._kind} MXQs (the EAGLE-3 and "
+                       "Qwen3-ASR paths call infer).", "model.cc:720")
         ins = list(inputs)
         outs = None if outputs is None else list(outputs)
         if len(ins) != len(self._in_scales):
@@ -677,8 +729,10 @@ class Model(AdvancedModelApi):
         acc = self._launched()
         cid = self._check_cache_id(cache_id, "dump")
         wall = time.perf_counter()
-        c = self._cache(cid)
-        blobs = [k.tobytes() + v.tobytes() for k, v in zip(c.keys, c.values)]
+        blobs: list[bytes] = []
+        if self._infos:  # an MXQ without KV (eagle3_fc, audio_encoder) dumps nothing
+            c = self._cache(cid)
+            blobs = [k.tobytes() + v.tobytes() for k, v in zip(c.keys, c.values)]
         s = machine.settings()
         t0, t1 = acc._device.advance(s.io_fixed_us + s.dump_us_per_kib * sum(map(len, blobs)) / 1024, wall)
         tracing.span("read device", t0, t1, acc.get_dev_no(), self._id)
@@ -701,8 +755,8 @@ class Model(AdvancedModelApi):
             if len(b) != info.size:
                 raise fail("Model_BufferSizeMismatched", f"Failed to load cache memory - {info.name}: Wrong buffer size (expected: {info.size}, actual: {len(b)})", "model.cc:645")
         wall = time.perf_counter()
-        c = self._cache(cid)
-        for k, v, b in zip(c.keys, c.values, bufs):
+        c = self._cache(cid) if self._infos else None
+        for k, v, b in zip(c.keys if c else [], c.values if c else [], bufs):
             arr = np.frombuffer(bytes(b), dtype=np.float32)
             k.reshape(-1)[:] = arr[: k.size]
             v.reshape(-1)[:] = arr[k.size :]
@@ -811,7 +865,7 @@ def _with_rank(rows: list[np.ndarray], rank: int) -> list[np.ndarray]:
 
 def _num_inputs(kind: str) -> int:
     """How many inputs an MXQ of ``kind`` takes (1 but for the EAGLE-3 kinds)."""
-    return len(EAGLE3_INPUTS.get(kind, ("x",)))
+    return len({**EAGLE3_INPUTS, **ASR_INPUTS}.get(kind, ("x",)))
 
 
 def _check_header(h: dict[str, Any]) -> dict[str, Any]:
@@ -870,9 +924,16 @@ def get_model_summary(mxq_path: str | os.PathLike) -> str:
     """
     m = Model(mxq_path, _summary_only=True)  # a summary reads the file, whatever its core modes
     c = m._cfg
+    if c is None:
+        a = m._header["llm_config"]
+        what = (f"  kind: {m._kind}, mel bins: {a.get('num_mel_bins')}, layers: {a.get('encoder_layers')}, "
+                f"d_model: {a.get('d_model')}, output_dim: {a.get('output_dim')}")
+    else:
+        what = (f"  model_type: {c.model_type}, layers: {c.num_hidden_layers}, hidden: {c.hidden_size}, "
+                f"vocab: {c.vocab_size}")
     return "\n".join([
         f"MXQ: {mxq_path}",
-        f"  model_type: {c.model_type}, layers: {c.num_hidden_layers}, hidden: {c.hidden_size}, vocab: {c.vocab_size}",
+        what,
         f"  input shape: {m.get_model_input_shape()}, output shape: {m.get_model_output_shape()}",
         f"  max_batch_size (K): {m.K}, max_cache_size (T): {m.T}, max_width (W): {m.W}",
         f"  core modes: {', '.join(m._header['core_modes'])}, output logits: {m._header['output_logits']}, target: {m._header['target_device']}",
