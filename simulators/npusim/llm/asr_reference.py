@@ -225,11 +225,4 @@ class AsrReference:
         else:
             stop = {int(e) for e in eos_token_ids}
         cache = self.decoder.new_cache(len(emb) + int(max_new_tokens))
-        logits = self.decoder.forward_embeddings(emb, cache)
-        out: list[int] = []
-        while True:
-            tok = int(np.argmax(logits[-1]))
-            out.append(tok)
-            if tok in stop or len(out) >= max_new_tokens:
-                return out
-            logits = self.decoder.prefill([tok], cache)
+        return self.decoder.continue_greedy(self.decoder.forward_embeddings(emb, cache), cache, int(max_new_tokens), stop)

@@ -391,7 +391,12 @@ class Decoder:
             raise KVCacheOverflowError(capacity, 0, needed)
         stop = set() if eos_token_id is None else ({int(eos_token_id)} if isinstance(eos_token_id, (int, np.integer)) else {int(e) for e in eos_token_id})
         cache = self.new_cache(capacity)
-        logits = self.prefill(ids, cache)
+        return self.continue_greedy(self.prefill(ids, cache), cache, max_new_tokens, stop)
+
+    def continue_greedy(self, logits: np.ndarray, cache: KVCache, max_new_tokens: int,
+                        stop: set[int] | frozenset[int]) -> list[int]:
+        """Greedy tokens after a prompt already in ``cache`` whose last row of ``logits`` scores
+        the first one: up to ``max_new_tokens`` (>= 1), the first id in ``stop`` included."""
         out: list[int] = []
         while True:
             tok = int(np.argmax(logits[-1]))

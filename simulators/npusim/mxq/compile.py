@@ -102,6 +102,24 @@ __all__ = ["{config_cls}", "{architecture}"]
     return {"AutoConfig": f"{module}.{config_cls}", "AutoModelForCausalLM": f"{module}.{architecture}"}
 
 
+def kv_and_width(max_pos: int, max_cache_size: int | None, max_width: int | None, chunks: list[int], *,
+                 default_cache: int, default_width: int) -> tuple[int, int]:
+    """An MXQ's KV capacity and width (tokens): the given values, else ``min(max_pos,
+    default_cache)`` and ``default_width``.
+
+    Raises:
+        ValueError: a value that is not a positive integer; a capacity above ``max_pos``
+            (``max_position_embeddings``); a width below the largest prefill chunk.
+    """
+    t = min(max_pos, default_cache) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
+    if t > max_pos:
+        raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
+    w = default_width if max_width is None else _positive_int("max_width", max_width)
+    if w < max(chunks):
+        raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+    return t, w
+
+
 def _require_fixed(fixed: Mapping[str, tuple[Any, Any]], what: str, why: str) -> None:
     """Raises: ValueError naming the first option of ``fixed`` (name -> (value, the only one allowed))
     whose value ``what`` does not support, and ``why``."""
@@ -234,18 +252,15 @@ def compile_artifact(
         raise ValueError(f"model_type {raw.get('model_type')!r} must be one of {', '.join(RELEASE_TYPES)}")
     cfg = load_config(src)
     max_pos = cfg.max_position_embeddings
-    t = min(max_pos, MAX_DEFAULT_CACHE) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
-    if t > max_pos:
-        raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
     if k > 1:  # a batch MXQ's width is qbruntime's batch execution limit
+        t, _ = kv_and_width(max_pos, max_cache_size, None, [1], default_cache=MAX_DEFAULT_CACHE, default_width=1)
         w = BATCH_MAX_WIDTH if max_width is None else _positive_int("max_width", max_width)
         if w > BATCH_MAX_WIDTH:
             raise ValueError(f"max_width {w} exceeds {BATCH_MAX_WIDTH}, the most tokens a batch MXQ "
                              f"(max_batch_size {k} > 1) takes per item per infer")
     else:
-        w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)
-        if w < max(chunks):
-            raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+        t, w = kv_and_width(max_pos, max_cache_size, max_width, chunks, default_cache=MAX_DEFAULT_CACHE,
+                            default_width=max(128, *chunks))
     weights = load_safetensors(src)
     Decoder(cfg, weights, source=str(src))  # validates every tensor the artifact needs
     arch = cfg.model_type

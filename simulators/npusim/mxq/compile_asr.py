@@ -47,7 +47,7 @@ import numpy as np
 from ..llm import Decoder, ModelConfig, load_safetensors, save_safetensors
 from ..llm.asr_reference import decoder_tensors, text_model_config
 from .asr_kinds import AudioEncoderPart, audio_tensor_names
-from .compile import COPIED_FILES, CORE_MODES, _chunk_values, _compiled_modes, _positive_int
+from .compile import COPIED_FILES, CORE_MODES, _chunk_values, _compiled_modes, _positive_int, kv_and_width
 from .mxqfile import write_mxq
 
 __all__ = ["ASR_ARCHITECTURE", "ASR_COPIED_FILES", "ASR_KV_CAPACITY", "ASR_MODEL_TYPE", "ASR_MXQ_PATHS",
@@ -178,12 +178,8 @@ def compile_asr_release(
     llm = text_model_config(thinker["text_config"])
     cfg = ModelConfig.from_dict(llm)
     max_pos = cfg.max_position_embeddings
-    t = min(max_pos, ASR_KV_CAPACITY) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
-    if t > max_pos:
-        raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
-    w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)
-    if w < max(chunks):
-        raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+    t, w = kv_and_width(max_pos, max_cache_size, max_width, chunks, default_cache=ASR_KV_CAPACITY,
+                        default_width=max(128, *chunks))
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {str(out)!r} exists and is not a directory")
     Decoder(cfg, text_w, source=str(src))  # checks every text tensor

@@ -32,7 +32,7 @@ import numpy as np
 
 from ..llm import Decoder, load_config, load_safetensors, save_safetensors
 from ..llm.eagle3 import Eagle3Draft, Eagle3DraftConfig
-from .compile import COPIED_FILES, MAX_DEFAULT_CACHE, _chunk_values, _positive_int
+from .compile import COPIED_FILES, MAX_DEFAULT_CACHE, _chunk_values, _positive_int, kv_and_width
 from .eagle3_kinds import Eagle3Part, kind_tensor_names
 from .mxqfile import write_mxq
 
@@ -181,12 +181,8 @@ def compile_eagle3_release(
         raise ValueError(f"draft eagle_aux_hidden_state_layer_ids {list(dcfg.aux_layer_ids)} name layers past the "
                          f"base's {cfg.num_hidden_layers}")
     max_pos = cfg.max_position_embeddings
-    t = min(max_pos, MAX_DEFAULT_CACHE) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
-    if t > max_pos:
-        raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
-    w = max(*chunks, num_assistant_tokens + tree_depth + 1) if max_width is None else _positive_int("max_width", max_width)
-    if w < max(chunks):
-        raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+    t, w = kv_and_width(max_pos, max_cache_size, max_width, chunks, default_cache=MAX_DEFAULT_CACHE,
+                        default_width=max(*chunks, num_assistant_tokens + tree_depth + 1))
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {str(out)!r} exists and is not a directory")
 

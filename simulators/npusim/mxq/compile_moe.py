@@ -36,7 +36,7 @@ from typing import Any
 
 from ..llm import ModelConfig, load_config, load_safetensors, save_safetensors
 from ..llm.moe_parts import DecoderPart, part_tensor_names
-from .compile import COPIED_FILES, _chunk_values, _write_hub_proxy
+from .compile import COPIED_FILES, _chunk_values, _positive_int, _write_hub_proxy, kv_and_width
 from .mxqfile import write_mxq
 
 __all__ = ["MOE_MODEL_TYPE", "MOE_ARCHITECTURE", "SHARED_OUTPUTS", "PACK_FORMAT", "compile_moe_release", "release_placement"]
@@ -93,12 +93,6 @@ def _write_pack(path: Path, members: Sequence[bytes], alignment: int) -> list[in
             if i < len(members) - 1:
                 f.write(b"\0" * (_aligned(len(m), alignment) - len(m)))
     return [len(m) for m in members]
-
-
-def _positive_int(name: str, v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise ValueError(f"{name} {v!r} must be an integer >= 1")
-    return v
 
 
 def compile_moe_release(
@@ -161,12 +155,8 @@ def compile_moe_release(
     _positive_int("num_expert_workers", num_expert_workers)
     chunks = _chunk_values(prefill_chunk_size)
     max_pos = cfg.max_position_embeddings
-    t = min(MAX_SHARED_CACHE, max_pos) if max_cache_size is None else _positive_int("max_cache_size", max_cache_size)
-    if t > max_pos:
-        raise ValueError(f"max_cache_size {t} must be <= max_position_embeddings {max_pos}")
-    w = max(128, *chunks) if max_width is None else _positive_int("max_width", max_width)
-    if w < max(chunks):
-        raise ValueError(f"max_width {w} must be >= every prefill chunk size (largest: {max(chunks)})")
+    t, w = kv_and_width(max_pos, max_cache_size, max_width, chunks, default_cache=MAX_SHARED_CACHE,
+                        default_width=max(128, *chunks))
     placement = release_placement(devices)
     if out.exists() and not out.is_dir():
         raise ValueError(f"output path {str(out)!r} exists and is not a directory")
