@@ -114,6 +114,47 @@ KNOWN: tuple[Difference, ...] = (
                "a vLLM 0.11.2 limit under vllm-mblt, not a rule of its own: the request is answered as if "
                "bad_words had not been sent; vLLM 0.32 passes bad_words of a completion on, and ours refuses it",
                _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.asr_transcription_greedy", r"assert 'n' == 'honey'",
+               "vllm-mblt's transcription prompt always opens with a system turn, empty without a `prompt` "
+               "(`<|im_start|>system\\n<|im_end|>\\n`, as qwen-asr 0.0.6's _build_messages always sends a system "
+               "message); given that prompt its text equals the golden pipeline's ('n' for the 'honey' clip, "
+               "forced English; the tiny model is fitted to the prompt without the turn).",
+               "a prompt-format choice, not a wrong token: vLLM 0.32's Qwen3-ASR, and ours, emit the system turn "
+               "only when a `prompt` is given (vLLM's docstring: as the official SDK does); the seed says the "
+               "`prompt` reaches the model as context and nothing of the empty case", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.asr_long_audio_is_chunked", r"(?s)assert '.*lampnsns.*' == '.*ed lamp honey'",
+               "vllm-mblt splits the 38 s clip and joins the chunks' texts as ours does, but each chunk's prompt "
+               "has the empty system turn (mblt_serving.asr_transcription_greedy), so the text differs from the "
+               "golden pipeline's for the prompt without it.",
+               "the same prompt-format choice as mblt_serving.asr_transcription_greedy", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.asr_endpoint_rules", r"assert 'Clamping max_model_len from' in ",
+               "vllm-mblt clamps max_model_len to 2048 (/v1/models says so) but logs nothing of it at the default "
+               "level; the rest holds in its own words: /v1/audio/translations gets 400 (\"Qwen3-ASR supports "
+               "task_type='transcribe' only\"), two clips 400, the 170 s clip in chat 400 twice (\"The prompt is "
+               "2223 tokens, which leaves no room to generate within max_model_len=2048\") and then served by the "
+               "transcription endpoint (checked by hand against a vllm-mblt server).",
+               _MBLT_LOGGED.format(what="the clamp") + "; the later checks' wording (\"does not translate\", "
+               "vLLM 0.32's \"maximum context length (2048)\") is ours", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.asr_hostile_uploads", r"\('empty', 500, .*Format not recognised",
+               "Undecodable uploads (empty, garbage, RIFF not WAVE, text, a truncated FLAC) get HTTP 500 with "
+               "libsndfile's message (\"Format not recognised\", \"flac decoder lost sync\"); a truncated WAV, one "
+               "declaring a huge length and truncated audio inline in chat get 200 with the text of what is there; "
+               "a header-only WAV gets 400 (\"The audio has no samples.\"). None hangs (each under 0.5 s) and the "
+               "server stays healthy.",
+               "vLLM 0.11.2's front end answers a client's bad file with a 500, and nothing checks the upload "
+               "against its header: the seed asks a 4xx for each (ours: vLLM 0.32 and the upload check of "
+               "vllm_npu/audio_uploads.py); no hang on either side", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_serving.asr_start_rules", r"assert \(2048 == 2048 and True is False\)",
+               "vllm-mblt's resolved config clamps max_model_len to 2048 (an explicit 4096 too) but keeps prefix "
+               "caching on (by default and with --enable-prefix-caching), resolves max_num_seqs 128 (the release "
+               "declares no max_batch_size), accepts --limit-mm-per-prompt audio=2 at start (a request with "
+               "two clips still gets 400) and starts with a top-level mxq_path in --model-loader-extra-config "
+               "(beside the two absolute paths the lab passes; checked by hand).",
+               "ours stricter, no wrong output seen: ours turns prefix caching off for Qwen3-ASR (vLLM 0.32 drops "
+               "the audio features of a span its prefix cache covers), resolves one sequence and refuses a "
+               "larger clip limit at start; on vllm-mblt's column the same clip sent again and concurrent "
+               "requests give the same text (asr_prompt_and_chat, asr_concurrent_requests pass); the unused "
+               "top-level key is ignored without a word", _MBLT_DOCS),
     # ---------------------------------------------------------------- vllm-rbln 0.12.0 on rbln-sim
     Difference(_RBLN, "serving.prompt_logprobs",
                r"Refusal\(param='prompt_logprobs'.*500, 'EngineCore encountered an issue",

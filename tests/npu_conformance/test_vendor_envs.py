@@ -171,6 +171,47 @@ def test_mblt_vendor_lab_serves_hub_proxy_artifacts_with_remote_code(tmp_path, m
     assert cfg["auto_map"] and all((art / f"{ref.split('.')[0]}.py").is_file() for ref in cfg["auto_map"].values())
 
 
+def test_mblt_vendor_lab_gives_a_qwen3_asr_release_its_absolute_mxq_paths(tmp_path):
+    # vllm-mblt's Qwen3-ASR config does not pass the release directory to its sub-configs: a local
+    # release needs absolute encoder_/decoder_mxq_path, merged into the scenario's own loader config.
+    from npu_conformance.devices.mblt_vendor import asr_loader_args
+
+    rel = tmp_path / "rel"
+    rel.mkdir()
+    (rel / "config.json").write_text(json.dumps({"model_type": "mobilint-qwen3_asr", "thinker_config": {
+        "audio_config": {"mxq_path": "audio_encoder.mxq"}, "text_config": {"mxq_path": "decoder.mxq"}}}))
+    paths = {"encoder_mxq_path": str((rel / "audio_encoder.mxq").resolve()),
+             "decoder_mxq_path": str((rel / "decoder.mxq").resolve())}
+    args = asr_loader_args(rel, ["--max-num-seqs", "1"])
+    assert args[:3] == ("--max-num-seqs", "1", "--model-loader-extra-config") and json.loads(args[3]) == paths
+    args = asr_loader_args(rel, ["--model-loader-extra-config", json.dumps({"mxq_path": "decoder.mxq"}), "-x"])
+    assert args[0] == "--model-loader-extra-config" and args[2:] == ("-x",)
+    assert json.loads(args[1]) == {**paths, "mxq_path": "decoder.mxq"}
+    (rel / "config.json").write_text(json.dumps({"model_type": "mobilint-llama"}))
+    assert asr_loader_args(rel, ["--max-num-seqs", "1"]) == ("--max-num-seqs", "1")
+    assert asr_loader_args(tmp_path / "none", ["a"]) == ("a",)
+
+
+def test_mblt_vendor_lab_names_the_qwen2_tokenizer_class_of_its_simulated_asr_release(tmp_path, monkeypatch):
+    # qwen-asr's Qwen3ASRProcessor under transformers 4.57.6 accepts Qwen2Tokenizer(Fast) only
+    from npu_conformance.devices.mblt import MbltLab
+    from npu_conformance.devices.mblt_vendor import VllmMbltLab
+
+    lab = VllmMbltLab("vllm-mblt@mblt-sim", tmp_path / "lab")
+    rel = lab.workdir / "rel"
+    rel.mkdir(parents=True)
+    (rel / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "x": 1}))
+    monkeypatch.setattr(MbltLab, "asr_release", lambda self: rel)
+    assert lab.asr_release() == rel == lab.asr_release()
+    assert json.loads((rel / "tokenizer_config.json").read_text()) == {"tokenizer_class": "Qwen2TokenizerFast", "x": 1}
+    board = tmp_path / "board"  # a release not built by the lab is left as it is
+    board.mkdir()
+    (board / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    monkeypatch.setattr(MbltLab, "asr_release", lambda self: board)
+    lab.asr_release()
+    assert json.loads((board / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
 def test_vendor_lab_runs_the_vendor_vllm_in_float32_with_its_environment(tmp_path, monkeypatch):
     from npu_conformance.devices.rbln_vendor import VllmRblnLab
 

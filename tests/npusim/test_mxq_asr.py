@@ -311,6 +311,8 @@ def test_release_options(asr_dir, tmp_path):
     assert th["audio_config"]["core_mode"] == th["text_config"]["core_mode"] == "auto"
     assert th["text_config"]["npu_prefill_chunk_size"] == {"single": 32, "global4": 64}
     assert cfg["auto_map"]["AutoConfig"] == "proxy_qwen3_asr.MobilintQwen3ASRConfig"
+    # vllm-mblt's worker loads it with AutoModelForCausalLM
+    assert cfg["auto_map"]["AutoModelForCausalLM"] == "proxy_qwen3_asr.MobilintQwen3ASRForConditionalGeneration"
     assert (root / "proxy_qwen3_asr.py").is_file()
     hd, _ = read_mxq(root / "decoder.mxq")
     ha, _ = read_mxq(root / "audio_encoder.mxq")

@@ -4,6 +4,9 @@
 # exists, and it imports and runs on a CPU-only host), vllm-mblt 0.8.0, transformers-mblt 0.6.1,
 # mblt-npu-python 0.1.0 and mblt-model-zoo 2.13.0 (vllm-mblt imports mblt_model_zoo.hf_transformers,
 # a facade over transformers-mblt), all unpatched; `import qbruntime` -> npusim.mxq through the alias.
+# Its Qwen3-ASR model needs the `qwen-asr` extra: qwen-asr 0.0.6 (without its own dependencies: gradio,
+# flask, accelerate... are for its demos) and what its `__init__` and vLLM's transcription endpoint
+# import: librosa, soundfile and nagisa (with DyNet38), and theirs.
 # The project's own plugin is NOT installed there (its platform entry point is also named `mblt`).
 #
 # With tools/vllm-mblt-env/lock.txt present (pip freeze of a built env) the script installs exactly
@@ -31,6 +34,8 @@ if [[ "$LOCK" != none && -f "$LOCK" ]]; then
 else
   "${PIP[@]}" install "vllm==0.11.2"
   "${PIP[@]}" install --no-deps vllm-mblt==0.8.0 transformers-mblt==0.6.1 mblt-npu-python==0.1.0 mblt-model-zoo==2.13.0
+  "${PIP[@]}" install librosa==0.11.0 soundfile==0.14.0 nagisa==0.2.11
+  "${PIP[@]}" install --no-deps qwen-asr==0.0.6
 fi
 install_sim_hooks "$ENV" "$ROOT"
 NPU_HARNESS_TARGET=mblt-sim "$ENV/bin/python" -c 'import qbruntime; assert qbruntime.__name__ == "npusim.mxq", qbruntime; print("qbruntime ->", qbruntime.__name__)'

@@ -12,7 +12,12 @@ What differs from :class:`~npu_conformance.devices.mblt.MbltLab`, and nothing el
   arguments have it (the engine-config probe too): that is how a Mobilint release registers its ``mobilint-*`` model type in
   vLLM's front end without our plugin;
 * vllm-mblt logs no fault lines of its own, so the simulator's injected-fault message is the
-  evidence that a fault struck.
+  evidence that a fault struck;
+* a Qwen3-ASR release gets ``--model-loader-extra-config`` with its two MXQs' absolute paths
+  (``encoder_mxq_path``, ``decoder_mxq_path``; keys the scenario passes itself are kept): the
+  vendor's Qwen3-ASR config does not pass the release directory on to its sub-configs, so
+  without them its worker looks the relative ``mxq_path`` up as the Hub repository ``mobilint/``
+  and stops (``HFValidationError``). That is what a user of a local release has to pass.
 
 The scenarios' expectations are the ``mblt-sim`` column's: where vllm-mblt behaves otherwise,
 the report shows the difference (:mod:`npu_conformance.vendor_differences`) and
@@ -21,6 +26,7 @@ the report shows the difference (:mod:`npu_conformance.vendor_differences`) and
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,9 +65,48 @@ class VllmMbltLab(MbltLab):
     def command(self) -> list[str]:
         return self.vendor.vllm_command()
 
+    def asr_release(self) -> Path:
+        """As :meth:`MbltLab.asr_release`; the simulated release's ``tokenizer_config.json`` names
+        ``Qwen2TokenizerFast`` (the same ``tokenizer.json``), as the Hub release's Qwen2 tokenizer
+        class does: vllm-mblt builds qwen-asr's ``Qwen3ASRProcessor``, which under transformers
+        4.57.6 refuses any other tokenizer class (``TypeError: Received a
+        CachedPreTrainedTokenizerFast for argument tokenizer``); the tiny model's generic
+        ``PreTrainedTokenizerFast`` is what transformers 5 writes and accepts."""
+        release = super().asr_release()
+        cfg_path = release / "tokenizer_config.json"
+        if release.is_relative_to(self.workdir) and cfg_path.is_file():  # ours, not a board's release
+            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+            if cfg.get("tokenizer_class") == "PreTrainedTokenizerFast":
+                cfg["tokenizer_class"] = "Qwen2TokenizerFast"
+                cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        return release
+
     def start(self, artifact: Path, args: Sequence[str], log: Path, *, timeout_s: float = vs.START_TIMEOUT_S,
               **env: str) -> vs.Server:
-        """As :meth:`DeviceLab.start`, with ``--trust-remote-code``."""
+        """As :meth:`DeviceLab.start`, with ``--trust-remote-code`` (and a Qwen3-ASR release's
+        absolute MXQ paths, :func:`asr_loader_args`)."""
         if "--trust-remote-code" not in args:
             args = (*args, "--trust-remote-code")
-        return super().start(artifact, args, log, timeout_s=timeout_s, **env)
+        return super().start(artifact, asr_loader_args(artifact, args), log, timeout_s=timeout_s, **env)
+
+
+def asr_loader_args(artifact: Path, args: Sequence[str]) -> tuple[str, ...]:
+    """``args`` with a Qwen3-ASR release's ``encoder_mxq_path`` / ``decoder_mxq_path`` made
+    absolute in ``--model-loader-extra-config`` (merged into one the arguments already have, whose
+    keys win); other artifacts' arguments unchanged."""
+    args = tuple(args)
+    try:
+        config = json.loads((Path(artifact) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return args
+    if config.get("model_type") != "mobilint-qwen3_asr":
+        return args
+    thinker = config.get("thinker_config") or {}
+    paths = {f"{role}_mxq_path": str((Path(artifact) / thinker[sub]["mxq_path"]).resolve())
+             for role, sub in (("encoder", "audio_config"), ("decoder", "text_config"))
+             if isinstance(thinker.get(sub), dict) and thinker[sub].get("mxq_path")}
+    flag = "--model-loader-extra-config"
+    if flag in args[:-1]:
+        i = args.index(flag)
+        return (*args[:i], flag, json.dumps({**paths, **json.loads(args[i + 1])}), *args[i + 2:])
+    return (*args, flag, json.dumps(paths))

@@ -104,7 +104,12 @@ def _npu_fields(mxq_path: str, core_mode: str) -> dict[str, Any]:
 
 
 def _write_hub_proxy(out: Path) -> dict[str, str]:
-    """Write ``proxy_qwen3_asr.py`` (as the Hub release ships) and return its ``auto_map``."""
+    """Write ``proxy_qwen3_asr.py`` (as the Hub release ships) and return its ``auto_map``.
+
+    ``AutoModelForCausalLM`` is mapped too: vllm-mblt 0.8.0's worker loads every model that is
+    not an image-text one with ``AutoModelForCausalLM.from_pretrained(..., trust_remote_code=True)``,
+    and transformers-mblt registers the Qwen3-ASR class for ``AutoModel`` and
+    ``AutoModelForSpeechSeq2Seq`` only."""
     pkg = "transformers_mblt.models.qwen3_asr"
     (out / "proxy_qwen3_asr.py").write_text(
         f'''"""Remote-code entry of this Qwen3-ASR release (written by npu-harness mxq compile --hub-proxy): the
@@ -119,7 +124,8 @@ __all__ = ["MobilintQwen3ASRConfig", "MobilintQwen3ASRForConditionalGeneration",
 ''', encoding="utf-8")
     model = "proxy_qwen3_asr.MobilintQwen3ASRForConditionalGeneration"
     return {"AutoConfig": "proxy_qwen3_asr.MobilintQwen3ASRConfig", "AutoModel": model,
-            "AutoModelForSpeechSeq2Seq": model, "AutoProcessor": "proxy_qwen3_asr.MobilintQwen3ASRProcessor"}
+            "AutoModelForCausalLM": model, "AutoModelForSpeechSeq2Seq": model,
+            "AutoProcessor": "proxy_qwen3_asr.MobilintQwen3ASRProcessor"}
 
 
 def compile_asr_release(
