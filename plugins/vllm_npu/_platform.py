@@ -58,6 +58,8 @@ class NpuPlatform(Platform):
     worker_cls: ClassVar[str] = ""
     #: What :meth:`get_device_name` answers (``mblt``, ``rbln``, ``neuron``).
     npu_name: ClassVar[str] = "npu"
+    #: The ``--middleware`` defaults this platform installs, in order (a user's own follow them).
+    middlewares: ClassVar[tuple[str, ...]] = (stream_errors.MIDDLEWARE,)
 
     @property
     def supported_dtypes(self) -> list[torch.dtype]:
@@ -70,9 +72,9 @@ class NpuPlatform(Platform):
 
     @classmethod
     def pre_register_and_update(cls, parser: Any = None) -> None:
-        """Make :data:`vllm_npu.stream_errors.MIDDLEWARE` the default of ``--middleware``
-        (``vllm serve`` only: the offline ``vllm.LLM`` passes no parser). A user's own
-        ``--middleware`` values are appended to it."""
+        """Make :attr:`middlewares` (:data:`vllm_npu.stream_errors.MIDDLEWARE` on every NPU
+        platform) the default of ``--middleware`` (``vllm serve`` only: the offline ``vllm.LLM``
+        passes no parser). A user's own ``--middleware`` values are appended to it."""
         if parser is None:
             return
         try:
@@ -81,8 +83,9 @@ class NpuPlatform(Platform):
             return
         if current is None:  # not the API server's parser (no --middleware option)
             return
-        if stream_errors.MIDDLEWARE not in current:
-            parser.set_defaults(middleware=[stream_errors.MIDDLEWARE, *current])
+        missing = [m for m in cls.middlewares if m not in current]
+        if missing:
+            parser.set_defaults(middleware=[*missing, *current])
 
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:  # noqa: ARG003

@@ -19,6 +19,7 @@ This module imports nothing from vLLM.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import struct
@@ -27,7 +28,8 @@ from email.parser import BytesParser
 from email.policy import HTTP
 from typing import Any
 
-__all__ = ["MIDDLEWARE", "AudioUploadCheckMiddleware", "audio_file_problem", "chat_audio_problem", "multipart_file"]
+__all__ = ["MIDDLEWARE", "AudioUploadCheckMiddleware", "audio_file_problem", "chat_audio_problem", "multipart_file",
+           "request_problem"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -139,6 +141,17 @@ def chat_audio_problem(body: bytes) -> tuple[str, str] | None:
     return None
 
 
+def request_problem(path: str, body: bytes, content_type: str) -> tuple[str, str] | None:
+    """``(where, problem)`` of a request to ``path`` whose audio must be refused: the ``file``
+    part of an audio endpoint's upload (:func:`audio_file_problem`), or a chat request's inline
+    clip (:func:`chat_audio_problem`); None when there is nothing to refuse."""
+    if path in AUDIO_PATHS:
+        data = multipart_file(body, content_type)
+        problem = audio_file_problem(data) if data else None
+        return ("file", problem) if problem is not None else None
+    return chat_audio_problem(body)
+
+
 class AudioUploadCheckMiddleware:
     """ASGI middleware: refuse a bad audio upload with 400 (see the module docstring)."""
 
@@ -162,12 +175,9 @@ class AudioUploadCheckMiddleware:
                 break
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         found: tuple[str, str] | None = None
-        if path in AUDIO_PATHS:
-            data = multipart_file(bytes(body), headers.get("content-type", ""))
-            problem = audio_file_problem(data) if data else None
-            found = ("file", problem) if problem is not None else None
-        elif b"input_audio" in body or b"audio_url" in body:
-            found = chat_audio_problem(bytes(body))
+        if path in AUDIO_PATHS or b"input_audio" in body or b"audio_url" in body:
+            # parsing and decoding off the event loop: a long FLAC takes seconds to decode
+            found = await asyncio.to_thread(request_problem, path, bytes(body), headers.get("content-type", ""))
         if found is not None:
             payload = json.dumps({"error": {"message": f"{found[0]}: {found[1]}", "type": "BadRequestError",
                                             "param": found[0], "code": 400}}).encode()

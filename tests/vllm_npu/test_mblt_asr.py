@@ -122,8 +122,9 @@ def test_feature_rows_place_each_clip():
     a = np.ones((4, 120), np.float32)
     b = np.full((4, 30), 2.0, np.float32)
     items = feature_rows([_spec(b, 40, audio_token_count(30), "b"), _spec(a, 5, audio_token_count(120), "a")], enc)
-    assert [pos.tolist()[0] for pos, _ in items] == [5, 40]  # prompt order
-    assert [rows.shape[0] for _, rows in items] == [audio_token_count(120), audio_token_count(30)]
+    assert [clip for clip, _, _ in items] == ["a", "b"]  # prompt order, each named by its hash
+    assert [pos.tolist()[0] for _, pos, _ in items] == [5, 40]
+    assert [rows.shape[0] for _, _, rows in items] == [audio_token_count(120), audio_token_count(30)]
     with pytest.raises(AsrInputError, match=r"16 embeddings from 120 frames for 15 placeholder tokens"):
         feature_rows([_spec(a, 5, 15)], enc)
     with pytest.raises(AsrInputError, match="processor cache must be off"):

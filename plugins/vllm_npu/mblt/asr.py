@@ -218,8 +218,9 @@ class AsrEncoder:
             logger.warning("Disposing the Mobilint audio encoder failed: %s", exc)
 
 
-def feature_rows(mm_features: Sequence[Any], encoder: AsrEncoder) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``(prompt positions, embeddings)`` of each audio item of a request, in prompt order.
+def feature_rows(mm_features: Sequence[Any], encoder: AsrEncoder) -> list[tuple[str, np.ndarray, np.ndarray]]:
+    """``(vLLM's item hash, prompt positions, embeddings)`` of each audio item of a request, in
+    prompt order.
 
     ``mm_features`` are vLLM's ``MultiModalFeatureSpec`` of a new request (``data`` holds the
     processor's ``input_audio_features`` ``[mel_bins, T]``; ``mm_position`` the placeholder
@@ -230,7 +231,7 @@ def feature_rows(mm_features: Sequence[Any], encoder: AsrEncoder) -> list[tuple[
         AsrInputError: an item without features (the processor cache must be off), or whose
             embedding count differs from its placeholder count (both named).
     """
-    out: list[tuple[np.ndarray, np.ndarray]] = []
+    out: list[tuple[str, np.ndarray, np.ndarray]] = []
     for spec in sorted(mm_features, key=lambda f: f.mm_position.offset):
         if spec.modality != "audio":
             raise AsrInputError(f"a {spec.modality!r} item: Qwen3-ASR takes audio only")
@@ -252,5 +253,5 @@ def feature_rows(mm_features: Sequence[Any], encoder: AsrEncoder) -> list[tuple[
         if positions.size != rows.shape[0]:
             raise AsrInputError(f"audio item {spec.identifier}: {rows.shape[0]} embeddings from "
                                 f"{feats.shape[-1]} frames for {positions.size} placeholder tokens")
-        out.append((positions, rows))
+        out.append((spec.identifier, positions, rows))
     return out

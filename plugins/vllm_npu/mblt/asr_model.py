@@ -163,10 +163,6 @@ class Qwen3AsrMultiModalProcessor(BaseMultiModalProcessor[Qwen3AsrProcessingInfo
         return [PromptReplacement(modality="audio", target=[audio_token_id], replacement=replacement)]
 
 
-class _PassThrough(StreamingTranscriptionPostProcessor):
-    """Streamed deltas as the model wrote them (the preface included)."""
-
-
 @MULTIMODAL_REGISTRY.register_processor(Qwen3AsrMultiModalProcessor, info=Qwen3AsrProcessingInfo,
                                         dummy_inputs=Qwen3AsrDummyInputs)
 class MobilintQwen3ASRForConditionalGeneration(MobilintForCausalLM, SupportsMultiModal, SupportsTranscription):
@@ -234,5 +230,5 @@ class MobilintQwen3ASRForConditionalGeneration(MobilintForCausalLM, SupportsMult
 
     @classmethod
     def get_streaming_post_processor_cls(cls) -> type[StreamingTranscriptionPostProcessor]:
-        """Deltas passed through as they come (the preface included)."""
-        return _PassThrough
+        """vLLM's base post-processor: deltas passed through as they come (the preface included)."""
+        return StreamingTranscriptionPostProcessor

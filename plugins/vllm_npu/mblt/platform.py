@@ -31,6 +31,7 @@ require_supported_vllm("mblt")  # before any vLLM import: another vLLM is refuse
 
 from vllm.exceptions import VLLMValidationError
 
+from vllm_npu import audio_uploads
 from vllm_npu._platform import NpuPlatform, refuse_unsampled
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
@@ -253,6 +254,7 @@ class MbltPlatform(NpuPlatform):
 
     worker_cls = WORKER_CLS
     npu_name = "mblt"
+    middlewares = (*NpuPlatform.middlewares, audio_uploads.MIDDLEWARE)
 
     @classmethod
     def configure(cls, vllm_config: Any) -> None:
@@ -333,9 +335,9 @@ class MbltPlatform(NpuPlatform):
 
     @classmethod
     def pre_register_and_update(cls, parser: Any = None) -> None:
-        """Add :data:`vllm_npu.audio_uploads.MIDDLEWARE` to ``--middleware``'s default (a bad
-        audio upload gets 400 before vLLM decodes it), and turn ``VLLM_TORCH_PROFILER_DIR`` into
-        vLLM's profiler config for this server.
+        """Install :attr:`middlewares` (the base's, plus :data:`vllm_npu.audio_uploads.MIDDLEWARE`:
+        a bad audio upload gets 400 before vLLM decodes it), and turn ``VLLM_TORCH_PROFILER_DIR``
+        into vLLM's profiler config for this server.
 
         vLLM 0.32 registers ``/start_profile`` and ``/stop_profile`` only when
         ``--profiler-config`` names a profiler; with ``VLLM_TORCH_PROFILER_DIR`` set (the
@@ -344,11 +346,6 @@ class MbltPlatform(NpuPlatform):
         worker's ``profile`` hook records the qbruntime NPU trace beside it.
         """
         super().pre_register_and_update(parser)
-        from vllm_npu import audio_uploads
-
-        current = parser.get_default("middleware") if parser is not None and hasattr(parser, "get_default") else None
-        if current is not None and audio_uploads.MIDDLEWARE not in current:
-            parser.set_defaults(middleware=[*current, audio_uploads.MIDDLEWARE])
         trace_dir = os.environ.get(TRACE_DIR_ENV, "")
         if parser is None or not trace_dir:
             return

@@ -524,8 +524,9 @@ def mxq_path_of(model_dir: str, artifact: Mapping[str, object], overrides: Layou
     Raises:
         MbltConfigError: ``mxq_path`` given for a Qwen3-ASR release (it has two MXQs).
     """
-    if artifact.get("model_type") == "mobilint-qwen3_asr":
-        from vllm_npu.mblt.asr import AsrRelease
+    from vllm_npu.mblt.asr import AsrRelease, is_asr_release
+
+    if is_asr_release(artifact):
         from vllm_npu.mblt.errors import MbltBackendError
 
         if overrides.extra.get("mxq_path"):

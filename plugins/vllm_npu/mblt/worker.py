@@ -113,6 +113,11 @@ class _Req:
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """The token ids at positions ``[start, end)`` (audio positions hold the placeholder id)."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[start:end] + self.output_ids[max(0, start - n):max(0, end - n)]
+
 
 def audio_key_ids(identifier: str, n: int) -> list[int]:
     """Negative ids standing for a clip's ``n`` audio positions in the KV bookkeeping: a pure
@@ -263,9 +268,7 @@ class MbltWorker(NpuWorker):
         try:
             backend = MbltBackend.create(runtime, mxq_path, layout)
         except Exception as exc:
-            if self.audio is not None:
-                self.audio.dispose()
-                self.audio = None
+            self._drop_audio()
             if "MXQAndModelConfigNotMatch" in str(exc):
                 raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
             raise
@@ -333,9 +336,7 @@ class MbltWorker(NpuWorker):
                                       f"the decoder MXQ's input width {backend.hidden_size}")
         except Exception:
             backend.dispose()
-            if self.audio is not None:
-                self.audio.dispose()
-                self.audio = None
+            self._drop_audio()
             raise
         self.backend = backend
         self.runtime = runtime
@@ -440,12 +441,16 @@ class MbltWorker(NpuWorker):
             self.eagle3.shutdown()
             self.eagle3.backend.dispose()
             self.eagle3 = None
-        if self.audio is not None:
-            self.audio.dispose()
-            self.audio = None
+        self._drop_audio()
         if self.table is not None:
             self.table.clear()
         self.reqs.clear()
+
+    def _drop_audio(self) -> None:
+        """Dispose a Qwen3-ASR release's audio encoder, if one was created."""
+        if self.audio is not None:
+            self.audio.dispose()
+            self.audio = None
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """``generate``; a Qwen3-ASR release also ``transcription`` (vLLM then serves
@@ -556,25 +561,23 @@ class MbltWorker(NpuWorker):
         if self.audio is None:
             raise MbltWorkerError(f"req_id={st.req_id}: multimodal data for a release that takes none")
         items = feature_rows(mm_features, self.audio)
-        specs = sorted(mm_features, key=lambda f: f.mm_position.offset)
-        st.audio_pos = np.concatenate([pos for pos, _ in items])
-        st.audio_rows = np.concatenate([rows for _, rows in items], axis=0)
+        st.audio_pos = np.concatenate([pos for _clip, pos, _rows in items])
+        st.audio_rows = np.concatenate([rows for _clip, _pos, rows in items], axis=0)
         keys = list(st.prompt_ids)
-        for spec, (pos, _rows) in zip(specs, items):
-            for p, k in zip(pos.tolist(), audio_key_ids(spec.identifier, pos.size)):
+        for clip, pos, _rows in items:
+            for p, k in zip(pos.tolist(), audio_key_ids(clip, pos.size)):
                 keys[p] = k
         st.key_prompt_ids = keys
 
-    def _embeds(self, st: _Req, start: int, n: int) -> np.ndarray:
-        """Input embeddings of ``st``'s positions ``[start, start + n)``: the token embeddings,
-        with the audio embeddings at the audio positions."""
-        ids = (st.prompt_ids + st.output_ids)[start:start + n]
-        x = self.embeddings[ids]
-        if st.audio_pos is not None:
-            sel = (st.audio_pos >= start) & (st.audio_pos < start + n)
-            if sel.any():
-                x = x.copy()
-                x[st.audio_pos[sel] - start] = st.audio_rows[sel]
+    def _embeds(self, st: _Req, start: int, piece: list[int]) -> np.ndarray:
+        """Input embeddings of ``st``'s ``piece`` (its ``all_ids`` from position ``start``): the
+        token embeddings, with the audio embeddings at the audio positions."""
+        if st.audio_pos is None:
+            return self.embeddings[piece]
+        n = len(piece)
+        x = self.embeddings[st.token_ids(start, start + n)]  # a copy: fancy indexing
+        sel = (st.audio_pos >= start) & (st.audio_pos < start + n)
+        x[st.audio_pos[sel] - start] = st.audio_rows[sel]
         return x
 
     def _resume(self, st: _Req) -> None:
@@ -747,7 +750,7 @@ class MbltWorker(NpuWorker):
         A request asking for prompt logprobs scores each piece's positions as they come."""
         while pending:
             pieces = [ids[start:start + self._piece_width(st, start)] for _i, st, ids, start in pending]
-            rows = [Row(*st.kv.slot, self._embeds(st, start, len(piece)), start)
+            rows = [Row(*st.kv.slot, self._embeds(st, start, piece), start)
                     for (_i, st, _ids, start), piece in zip(pending, pieces)]
             for item, piece, r in zip(pending, pieces, self._infer(rows)):
                 i, st, _ids, start = item
