@@ -146,6 +146,13 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
             from npusim.tinymodel.asr import build_qwen3_asr
 
             path = build_qwen3_asr(Path(args.out), seed=args.seed)
+        elif args.arch in ("qwen2_vl", "qwen3_vl"):
+            if args.eagle3:
+                raise ValueError(f"--eagle3 needs --arch llama, qwen2 or qwen3, not {args.arch}")
+            from npusim.tinymodel.vlm import build_qwen2_vl, build_qwen3_vl
+
+            build_vlm = build_qwen2_vl if args.arch == "qwen2_vl" else build_qwen3_vl
+            path = build_vlm(Path(args.out), seed=args.seed)
         elif args.eagle3:
             from npusim.tinymodel.eagle3 import build_eagle3
 
@@ -214,14 +221,55 @@ def _is_asr_checkpoint(hf_dir: Path) -> bool:
     return isinstance(raw, dict) and raw.get("model_type") in ASR_TYPES
 
 
+def _checkpoint_type(hf_dir: Path) -> str | None:
+    """``hf_dir/config.json``'s ``model_type`` (None: unreadable)."""
+    import json
+
+    try:
+        raw = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return raw.get("model_type") if isinstance(raw, dict) else None
+
+
+def _vlm_options(args: argparse.Namespace) -> dict:
+    """The ``--vision*`` / ``--text-layout`` flags given, as ``compile_artifact``'s ``vlm`` options."""
+    given = {"vision": args.vision, "text_layout": args.text_layout, "vision_layout": args.vision_layout,
+             "vision_output_order": args.vision_output_order, "vision_max_patches": args.vision_max_patches}
+    return {k: v for k, v in given.items() if v is not None}
+
+
+def _vlm_refusals(args: argparse.Namespace) -> str | None:
+    """Why the ``mxq compile`` flags given cannot build a Qwen2-VL / Qwen3-VL release (None: they can)."""
+    given = [flag for flag, on in (
+        ("--moe-devices", args.moe_devices is not None), ("--moe-unpacked", args.moe_unpacked),
+        ("--moe-last-only", args.moe_last_only), ("--moe-declare-output-order", args.moe_declare_output_order),
+        ("--eagle3", args.eagle3), ("--eagle3-tree", args.eagle3_tree is not None),
+        ("--eagle3-draft", args.eagle3_draft is not None),
+    ) if on]
+    reasons = [f"{f}: {'Mixture-of-Experts' if f.startswith('--moe') else 'EAGLE-3'} "
+               "options do not apply to a Qwen2-VL / Qwen3-VL release" for f in given]
+    return "; ".join(reasons) if reasons else None
+
+
 def _cmd_mxq_compile(args: argparse.Namespace) -> int:
     from npusim.llm import CheckpointError, UnsupportedModelError
-    from npusim.mxq.compile import compile_artifact
+    from npusim.mxq.compile import VLM_TYPES, compile_artifact
 
     asr = _is_asr_checkpoint(Path(args.hf_dir))
     refused = _asr_refusals(args) if asr else None
     if refused:
         print(f"npu-harness mxq compile: {args.hf_dir} is a Qwen3-ASR checkpoint: {refused}", file=sys.stderr)
+        return 2
+    vlm_type = _checkpoint_type(Path(args.hf_dir))
+    vlm = vlm_type in VLM_TYPES
+    refused = _vlm_refusals(args) if vlm else None
+    if refused:
+        print(f"npu-harness mxq compile: {args.hf_dir} is a {vlm_type} checkpoint: {refused}", file=sys.stderr)
+        return 2
+    if asr and _vlm_options(args):
+        print(f"npu-harness mxq compile: {args.hf_dir} is a Qwen3-ASR checkpoint: the --vision* / --text-layout "
+              "options apply to Qwen2-VL / Qwen3-VL checkpoints only", file=sys.stderr)
         return 2
     try:
         path = compile_artifact(
@@ -229,7 +277,7 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
             max_cache_size=args.max_cache_size, max_width=args.max_width, core_mode=args.core_mode,
             prefill_chunk_size=_parse_chunk(args.prefill_chunk_size), output_logits=args.output_logits,
             memory_flexible=not args.memory_fixed, hub_proxy=args.hub_proxy, moe=_moe_options(args),
-            eagle3=_eagle3_options(args),
+            eagle3=_eagle3_options(args), vlm=_vlm_options(args) or None,
         )
     except (ValueError, OSError, CheckpointError, UnsupportedModelError) as exc:
         print(f"npu-harness mxq compile: {exc}", file=sys.stderr)
@@ -238,7 +286,9 @@ def _cmd_mxq_compile(args: argparse.Namespace) -> int:
         print(f"npu-harness mxq compile: not built: {exc}", file=sys.stderr)
         return 2
     moe = (path / "mxq" / "lm_head.mxq").is_file()
-    kind = ("Qwen3-ASR release: audio_encoder.mxq, decoder.mxq" if asr else
+    family = {"qwen2_vl": "Qwen2-VL", "qwen3_vl": "Qwen3-VL"}.get(vlm_type or "")
+    kind = (f"{family} release: vision.mxq, text.mxq" if vlm else
+            "Qwen3-ASR release: audio_encoder.mxq, decoder.mxq" if asr else
             "Mixture-of-Experts release: mxq/" if moe else
             "EAGLE-3 release: mxq/base.mxq, draft.mxq, fc.mxq" if (path / "mxq" / "fc.mxq").is_file() else "model.mxq")
     print(f"MXQ artifact written to {path} ({kind}, config.json, model.safetensors)")
@@ -416,12 +466,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     mm = sub.add_parser("make-model", help="build a tiny Hugging Face checkpoint locally "
                                            "(qwen3_asr: a Qwen3-ASR checkpoint in the original release "
-                                           "layout, fitted to transcribe npusim.tinymodel.asr.CLIPS)")
+                                           "layout, fitted to transcribe npusim.tinymodel.asr.CLIPS; "
+                                           "qwen2_vl / qwen3_vl: a Qwen2-VL / Qwen3-VL checkpoint)")
     mm.add_argument("--arch", required=True,
-                    choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe", "qwen3_asr"),
+                    choices=("llama", "qwen2", "qwen3", "exaone4", "hyperclovax", "qwen3_moe", "qwen3_asr",
+                             "qwen2_vl", "qwen3_vl"),
                     help="qwen3_asr: a Qwen3-ASR checkpoint (original release layout, WhisperFeatureExtractor, "
                          "audio-only chat template) whose LM head is fitted so greedy decoding transcribes "
-                         "npusim.tinymodel.asr.CLIPS to TRANSCRIPTS")
+                         "npusim.tinymodel.asr.CLIPS to TRANSCRIPTS; qwen2_vl / qwen3_vl: a random-weight "
+                         "Qwen2-VL / Qwen3-VL checkpoint in transformers 5.19's layout (vision tower, "
+                         "Qwen2VLImageProcessor preprocessor config, image/video chat template; "
+                         "npusim.tinymodel.vlm)")
     mm.add_argument("--out", required=True, metavar="DIR")
     mm.add_argument("--seed", type=int, default=0, metavar="N")
     mm.add_argument("--eagle3", action="store_true",
@@ -464,7 +519,30 @@ def build_parser() -> argparse.ArgumentParser:
     e3.add_argument("--eagle3-tree", type=int, nargs=3, default=None, metavar=("DEPTH", "TOPK", "NUM_ASSISTANT_TOKENS"),
                     help="the draft tree written to config.json and generation_config.json (default 5 8 64, the vendor's)")
     e3.add_argument("--eagle3-draft", default=None, metavar="DIR", help="the draft checkpoint (default HF_DIR/eagle3_draft)")
-    comp.epilog = ("A qwen3_asr checkpoint (detected from config.json) becomes a Qwen3-ASR release: audio_encoder.mxq "
+    vl = comp.add_argument_group("Qwen2-VL / Qwen3-VL release (a qwen2_vl / qwen3_vl checkpoint: vision.mxq + text.mxq)")
+    vl.add_argument("--vision", choices=("static", "dynamic"), default=None,
+                    help="static (default): one fixed frame per vision infer (224x224 Qwen2-VL, 256x256 Qwen3-VL), "
+                         "text MXQ without RoPE input; dynamic: any grid up to --vision-max-patches, host-side "
+                         "RoPE (and Qwen3-VL position embeddings), text MXQ with a RoPE input")
+    vl.add_argument("--text-layout", default=None, metavar="LAYOUT",
+                    help="bundled (default) or split (Qwen3-VL: one DeepStack input per layer); the RoPE input "
+                         "follows --vision; the explicit bundled_static, bundled_rope, split_static, split_rope must "
+                         "agree with it. A bundled RoPE build with --max-batch-size > 1 takes (embeds, rope, "
+                         "deepstack), the batch order")
+    vl.add_argument("--vision-layout", default=None, metavar="LAYOUT",
+                    help="the vision MXQ's inputs: Qwen2-VL dynamic rope (2 inputs, default) or cos_sin (3); "
+                         "Qwen3-VL static folded (1,256,1536) (default) or legacy (1024,64,6); Qwen3-VL dynamic "
+                         "the slot order rope,pos,folded (default, the shipped 8B's) or folded,pos,rope")
+    vl.add_argument("--vision-output-order", default=None, metavar="M,D0,D1,D2",
+                    help="Qwen3-VL: indices of the merger and DeepStack 0..2 among the vision MXQ's outputs "
+                         "(default 0,2,3,1, transformers-mblt's default); written to vision_config")
+    vl.add_argument("--vision-max-patches", type=int, default=None, metavar="N",
+                    help="dynamic vision: most pre-merge patches per infer (default 4096)")
+    comp.epilog = ("A qwen2_vl / qwen3_vl checkpoint (detected from config.json) becomes a Mobilint VLM release: "
+                   "vision.mxq, text.mxq, config.json with vision_config/text_config NPU fields, model.safetensors "
+                   "(host embeddings); --max-batch-size applies to the text MXQ; --hub-proxy writes the Hub releases' "
+                   "proxy_qwen2_vl.py / proxy_qwen3_vl.py and auto_map; the MoE / EAGLE-3 flags are refused. "
+                   "A qwen3_asr checkpoint (detected from config.json) becomes a Qwen3-ASR release: audio_encoder.mxq "
                    "(one 100-frame mel window per infer) and decoder.mxq (the thinker's text model, batch 1, KV 2048 "
                    "tokens by default); --max-batch-size other than 1 and the MoE / EAGLE-3 flags are refused.")
     comp.set_defaults(func=_cmd_mxq_compile)

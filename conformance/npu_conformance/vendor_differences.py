@@ -155,6 +155,74 @@ KNOWN: tuple[Difference, ...] = (
                "larger clip limit at start; on vllm-mblt's column the same clip sent again and concurrent "
                "requests give the same text (asr_prompt_and_chat, asr_concurrent_requests pass); the unused "
                "top-level key is ignored without a word", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_vlm.vlm_image_rules[qwen2_vl]",
+               r"\(500, \{'error': \{'message': 'EngineCore encountered an issue",
+               "Two images in one request to a static Qwen2-VL release reach vllm-mblt's worker, whose check "
+               "(_validate_mobilint_vlm_request_constraints, mblt_worker.py:734-739: \"supports exactly one image in "
+               "the initial request, but got 2 image features\") raises RuntimeError inside execute_model; vLLM "
+               "0.11.2's engine core treats that as fatal: the request gets HTTP 500 (\"EngineCore encountered an "
+               "issue\") and the server exits. The video and session checks (mblt_worker.py:724-728, 747-751) raise "
+               "the same way.",
+               "vllm-mblt bug: the seed's rule (one image, no video, for static releases) is enforced, but one "
+               "client's request stops the server for everyone, where issue 14 asks for a clear error; ours refuses "
+               "it in the front end with a 400 naming the count", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_vlm.vlm_image_rules[qwen3_vl]",
+               r"\(500, \{'error': \{'message': 'EngineCore encountered an issue",
+               "Two images in one request to a static Qwen3-VL release reach vllm-mblt's worker, whose check "
+               "(_validate_mobilint_vlm_request_constraints, mblt_worker.py:734-739: \"supports exactly one image in "
+               "the initial request, but got 2 image features\") raises RuntimeError inside execute_model; vLLM "
+               "0.11.2's engine core treats that as fatal: the request gets HTTP 500 (\"EngineCore encountered an "
+               "issue\") and the server exits. The video and session checks (mblt_worker.py:724-728, 747-751) raise "
+               "the same way.",
+               "vllm-mblt bug: the seed's rule (one image, no video, for static releases) is enforced, but one "
+               "client's request stops the server for everyone, where issue 14 asks for a clear error; ours refuses "
+               "it in the front end with a 400 naming the count", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_vlm.vlm_video",
+               r"VideoMetadata.__init__\(\) missing 1 required positional argument: 'total_num_frames'",
+               "A video sent inline as JPEG frames (a data:video/jpeg URL) to the dynamic Qwen3-VL release gets HTTP "
+               "500 before vllm-mblt sees it: vLLM 0.11.2's VideoMediaIO.load_base64 returns the frames with empty "
+               "metadata for video/jpeg (vllm/multimodal/video.py:271-279), and its Qwen3-VL processor builds "
+               "transformers' VideoMetadata from it (vllm/model_executor/models/qwen3_vl.py:930), which needs "
+               "total_num_frames.",
+               "a vLLM 0.11.2 limit, not vllm-mblt's: its Qwen3-VL front end cannot take a video/jpeg data URL at "
+               "all (vLLM 0.32 fills the metadata); the vendor's own video path (per-frame encoder calls, "
+               "transformers-mblt) is not reached, so the scenario says nothing of it", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_vlm.vlm_vision_token_cap",
+               r"\(400, \{'error': \{'message': \"Failed to apply MobilintQwen3VLSafeProcessor on data=.*"
+               r"with kwargs=\{'do_resize': False\}",
+               "vllm-mblt clamps the 1536x1536 image and a larger max_pixels override to the 4096-patch limit as "
+               "ours does, and refuses do_resize=False with HTTP 400; the message is vLLM 0.11.2's generic \"Failed "
+               "to apply MobilintQwen3VLSafeProcessor on data=... with kwargs={'do_resize': False}\" "
+               "(vllm/multimodal/processing.py:1088-1093 re-raises without the cause's text), so the vendor's own "
+               "ValueError (\"do_resize=False bypasses the 4096-token NPU vision-token ceiling ...\", "
+               "transformers_mblt/models/qwen3_vl/processing_qwen3_vl.py:715-723) does not reach the client.",
+               "the rule holds on both sides (clamp, 400); the wording differs: vLLM 0.11.2's front end drops the "
+               "reason, which the scenario asks the client to see (\"do_resize=False\" and the limit)", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_vlm.vlm_start_rules", r"assert '--limit-mm-per-prompt image=2' in ''",
+               "vllm-mblt's resolved config accepts --limit-mm-per-prompt image=2 for the static Qwen2-VL release "
+               "(nothing checks the limit against the static vision MXQ; a request with two images then stops the "
+               "engine, mblt_vlm.vlm_image_rules[qwen2_vl]). Checked by hand: a top-level mxq_path in "
+               "--model-loader-extra-config is dropped without a word and the server starts "
+               "(_normalize_model_kwargs_for_hf_config, mblt_worker.py:106, 127-146); with dev_no 1 and vision_dev_no 0 "
+               "(two simulated cards) it answers with the golden tokens but logs no placement; the batch-compiled "
+               "static Qwen3-VL release is refused at load (\"Batched Qwen3-VL text MXQs without a RoPE input are "
+               "unsupported\", mblt_worker.py:1588-1598), as by ours.",
+               "ours stricter: the seed has a static release take one image, and ours refuses a larger limit and a "
+               "top-level mxq_path (the seed: use vision_mxq_path / text_mxq_path) at start; vllm-mblt ignores both "
+               "until a request breaks the rule", _MBLT_DOCS),
+    Difference(_MBLT, "mblt_vlm.vlm_prefix_cache_lm_only", r"assert 0 == 1\n.*where 0 = _encoded\(",
+               "vllm-mblt logs nothing when its worker runs the vision encoder (_build_prompt_embeds, "
+               "mblt_worker.py:3196-3200, for every new request: image features are not cached, as the seed says), "
+               "so the scenario stops at its first check. Checked by hand past it: the first two requests are "
+               "answered, but the repeated image prompt (196 tokens, 128 of them a vLLM prefix-cache hit) stops the "
+               "engine: the worker feeds the text MXQ one window of 191 and then 256 tokens, above its compiled "
+               "width of 128 (Model_ShapeMismatched at _forward_rows, mblt_worker.py:1704, which passes "
+               "npu_prefill_chunk_size=width on the assumption that vLLM sized the step for the MXQ, "
+               "mblt_worker.py:1697-1702); every later request gets HTTP 500.",
+               "vllm-mblt bug behind a logged-evidence gap: the scenario's evidence of an image being encoded is a "
+               "log line of our plugin, which vllm-mblt does not write; past it, a prefix-cache hit on an image "
+               "prompt whose prefix exceeds the text MXQ's width stops vllm-mblt's server, where ours serves it "
+               "with the golden tokens", _MBLT_DOCS),
     # ---------------------------------------------------------------- vllm-rbln 0.12.0 on rbln-sim
     Difference(_RBLN, "serving.prompt_logprobs",
                r"Refusal\(param='prompt_logprobs'.*500, 'EngineCore encountered an issue",

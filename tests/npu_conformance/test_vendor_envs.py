@@ -212,6 +212,31 @@ def test_mblt_vendor_lab_names_the_qwen2_tokenizer_class_of_its_simulated_asr_re
     assert json.loads((board / "tokenizer_config.json").read_text())["tokenizer_class"] == "PreTrainedTokenizerFast"
 
 
+def test_mblt_vendor_lab_serves_its_vlm_releases_as_the_hub_ships_them(tmp_path):
+    # vLLM 0.11.2 needs the remote-code entry, text_config.architectures (transformers 4.57's Qwen2VLConfig reads
+    # architectures from text_config) and the Qwen2 tokenizer class; it has no --trust-request-mm-kwargs
+    from npu_conformance.devices import mblt_vendor
+    from npu_conformance.devices.mblt_vendor import VllmMbltLab
+
+    lab = VllmMbltLab("vllm-mblt@mblt-sim", tmp_path / "lab")
+    rel = lab.workdir / "rel"
+    rel.mkdir(parents=True)
+    (rel / "config.json").write_text(json.dumps({"model_type": "mobilint-qwen2_vl", "architectures": ["A"],
+                                                 "text_config": {"mxq_path": "text.mxq"}}))
+    (rel / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    assert lab._hub_release(rel) == rel
+    cfg = json.loads((rel / "config.json").read_text())
+    assert cfg["auto_map"]["AutoModelForImageTextToText"] == "proxy_qwen2_vl.MobilintQwen2VLForConditionalGeneration"
+    assert (rel / "proxy_qwen2_vl.py").is_file() and cfg["text_config"]["architectures"] == ["A"]
+    assert json.loads((rel / "tokenizer_config.json").read_text())["tokenizer_class"] == "Qwen2TokenizerFast"
+    board = tmp_path / "board"  # a release not built by the lab is left as it is
+    board.mkdir()
+    (board / "config.json").write_text(json.dumps({"model_type": "mobilint-qwen3_vl", "text_config": {}}))
+    lab._hub_release(board)
+    assert "auto_map" not in json.loads((board / "config.json").read_text())
+    assert "--trust-request-mm-kwargs" in mblt_vendor._NOT_IN_VLLM_0_11
+
+
 def test_vendor_lab_runs_the_vendor_vllm_in_float32_with_its_environment(tmp_path, monkeypatch):
     from npu_conformance.devices.rbln_vendor import VllmRblnLab
 

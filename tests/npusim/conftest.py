@@ -165,3 +165,24 @@ def neff_env(monkeypatch):
     nrt.reset()
     yield
     nrt.reset()
+
+
+# ---------------------------------------------------------------- tiny VLMs (issue 14 §1)
+
+
+@pytest.fixture(scope="session")
+def vlm_model_dir(tmp_path_factory) -> Callable[[str], Path]:
+    """``vlm_model_dir(family) -> Path``: the tiny ``qwen2_vl`` / ``qwen3_vl`` checkpoint of
+    :mod:`npusim.tinymodel.vlm` (seed 0), built once per session (needs ``tokenizers``)."""
+    pytest.importorskip("tokenizers", reason="building the tiny VLM checkpoints needs tokenizers")
+    from npusim.tinymodel.vlm import build_qwen2_vl, build_qwen3_vl
+
+    builders = {"qwen2_vl": build_qwen2_vl, "qwen3_vl": build_qwen3_vl}
+    cache: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in cache:
+            cache[family] = builders[family](tmp_path_factory.mktemp(family))
+        return cache[family]
+
+    return get

@@ -177,17 +177,16 @@ class _Side:
 @pytest.fixture(scope="module")
 def side_runs(artifacts):
     root = artifacts["root"]
-    # a Qwen2-VL release's config (vision + text MXQs, scaled down): a kind of release the plugin
-    # does not serve yet (issue 14)
-    vlm = root / "qwen2_vl_release"
+    # a Mobilint multimodal release of a model type the plugin does not serve (a Qwen2.5-VL-like
+    # config: vision + text MXQs, scaled down)
+    vlm = root / "qwen2_5_vl_release"
     vlm.mkdir(exist_ok=True)
     (vlm / "config.json").write_text(json.dumps({
-        "model_type": "mobilint-qwen2_vl", "architectures": ["MobilintQwen2VLForConditionalGeneration"],
-        "hidden_size": 128, "num_hidden_layers": 2, "vision_mxq_path": "vision.mxq", "text_mxq_path": "text.mxq",
-        "text_max_batch_size": 1,
+        "model_type": "mobilint-qwen2_5_vl", "architectures": ["MobilintQwen2_5_VLForConditionalGeneration"],
+        "vision_config": {"mxq_path": "vision.mxq"}, "text_config": {"mxq_path": "text.mxq", "hidden_size": 128},
     }))
     runs = {
-        "unbuilt_release": _Side(vlm, [], root / "qwen2_vl_release.log"),
+        "unsupported_release": _Side(vlm, [], root / "qwen2_5_vl_release.log"),
         "too_long": _Side(artifacts["small"], ["--max-model-len", "512"], root / "too_long.log"),
         # the seed's quick-start command (no --max-model-len) on an artifact whose config declares
         # more positions (1024) than its MXQ holds (256): it must start, clamped
@@ -663,14 +662,15 @@ def test_bad_loader_extra_config_refuses_to_start(side_runs):
     assert re.search(r"dev_no=.?'x'", log), log[-3000:]
 
 
-def test_unbuilt_release_kind_refuses_to_start_naming_the_issue(side_runs):
-    """A Qwen2-VL release (served by vllm-mblt, not by this plugin yet) stops before vLLM parses
-    its config, with NotImplementedError naming the kind and issue 14, not an unknown-model error."""
-    code, log = side_runs["unbuilt_release"].wait()
+def test_unsupported_multimodal_release_refuses_to_start_naming_it(side_runs):
+    """A Mobilint multimodal release of a model type the plugin does not serve stops before vLLM
+    parses its config (and before any inference), naming the type and the served ones, not with
+    an unknown-model error."""
+    code, log = side_runs["unsupported_release"].wait()
     assert code is not None and code != 0, log[-3000:]
-    assert "MobilintReleaseNotBuilt" in log, log[-3000:]
-    assert ("model_type 'mobilint-qwen2_vl' is a vision-language (Qwen2-VL) release, which "
-            "vllm-mblt serves and the MBLT plugin does not yet (issue 14)") in log, log[-3000:]
+    assert "MobilintUnsupportedModelType" in log, log[-3000:]
+    assert ("model_type 'mobilint-qwen2_5_vl' is a multimodal release the MBLT plugin does not serve; its "
+            "multimodal releases are mobilint-qwen3_asr, mobilint-qwen2_vl, mobilint-qwen3_vl") in log, log[-3000:]
 
 
 def test_core_mode_override_picks_its_chunk(side_runs):

@@ -40,6 +40,17 @@ MOE_RELEASE_ENV = "NPU_HARNESS_MBLT_MOE_RELEASE"
 EAGLE3_RELEASE_ENV = "NPU_HARNESS_MBLT_EAGLE3_RELEASE"
 #: On ``mblt-hw``: the directory of a Mobilint Qwen3-ASR release (``asr_*`` scenarios).
 ASR_RELEASE_ENV = "NPU_HARNESS_MBLT_ASR_RELEASE"
+#: On ``mblt-hw``: the release directory of each vision-language build the ``vlm_*`` scenarios use,
+#: ``NPU_HARNESS_MBLT_VLM_RELEASE_<KIND>`` with KIND one of :data:`VLM_RELEASES` upper-cased.
+VLM_RELEASE_ENV = "NPU_HARNESS_MBLT_VLM_RELEASE_"
+#: The vision-language builds the scenarios serve: the tiny family and ``mxq compile``'s ``vlm``
+#: options that make the simulated one (the shipped kinds: static Qwen2-VL-2B, static Qwen3-VL-2B
+#: W8 (bundled, no RoPE input), dynamic Qwen3-VL-8B W8 (bundled, RoPE input)).
+VLM_RELEASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen2_vl": ("qwen2_vl", {"vision": "static"}),
+    "qwen3_vl": ("qwen3_vl", {"vision": "static", "text_layout": "bundled"}),
+    "qwen3_vl_dynamic": ("qwen3_vl", {"vision": "dynamic", "text_layout": "bundled"}),
+}
 #: Cards the simulated MoE release is placed on (the release's default placement: 3).
 MOE_DEVICES = 3
 CONFIG_MARK = "NPU_HARNESS_CONFIG "
@@ -85,6 +96,8 @@ class MbltLab(DeviceLab):
     _eagle3_golden: Any = None
     _asr: Path | None = None
     _asr_golden: Any = None
+    _vlm: dict[str, Path] = field(default_factory=dict)
+    _vlm_golden: dict[str, Any] = field(default_factory=dict)
 
     device: ClassVar[str] = "mblt"
     max_model_len: ClassVar[int] = 1024
@@ -333,6 +346,47 @@ class MbltLab(DeviceLab):
             self.asr_release()
             self._asr_golden = AsrReference.from_pretrained(self.workdir / "tiny-qwen3-asr")
         return self._asr_golden
+
+    # ------------------------------------------------------------------ Qwen2-VL / Qwen3-VL
+    def vlm_release(self, kind: str) -> Path:
+        """A vision-language release of :data:`VLM_RELEASES` ``kind``: on ``mblt-sim`` the tiny
+        checkpoint (``make-model --arch qwen2_vl|qwen3_vl``) compiled by ``mxq compile`` with that
+        kind's options; on ``mblt-hw`` the directory ``NPU_HARNESS_MBLT_VLM_RELEASE_<KIND>`` names.
+
+        Raises:
+            KeyError: ``kind`` is not one of :data:`VLM_RELEASES`.
+            ArtifactUnavailable: on hardware, the variable is not set.
+        """
+        family, options = VLM_RELEASES[kind]
+        if kind not in self._vlm:
+            if self.simulated:
+                from npusim.mxq.compile import compile_artifact
+                from npusim.tinymodel.vlm import build_qwen2_vl, build_qwen3_vl
+
+                hf = self.workdir / f"tiny-{family}"
+                if not (hf / "config.json").is_file():
+                    (build_qwen2_vl if family == "qwen2_vl" else build_qwen3_vl)(hf)
+                self._vlm[kind] = compile_artifact(hf, self.workdir / f"{kind}-release", vlm=dict(options))
+            else:
+                var = VLM_RELEASE_ENV + kind.upper()
+                raw = os.environ.get(var, "")
+                if not raw:
+                    raise ArtifactUnavailable(f"set {var} to a Mobilint {kind} release directory")
+                self._vlm[kind] = Path(raw)
+        return self._vlm[kind]
+
+    def vlm_golden(self, kind: str):
+        """The golden pipeline of the simulated ``kind`` release
+        (``npusim.llm.vlm_reference.VlmReference`` of its tiny checkpoint; None on hardware)."""
+        if not self.simulated:
+            return None
+        family = VLM_RELEASES[kind][0]
+        if family not in self._vlm_golden:
+            from npusim.llm.vlm_reference import VlmReference
+
+            self.vlm_release(kind)
+            self._vlm_golden[family] = VlmReference.from_pretrained(self.workdir / f"tiny-{family}")
+        return self._vlm_golden[family]
 
     # ------------------------------------------------------------------ vLLM
 

@@ -37,6 +37,12 @@ from npu_conformance import vllm_server as vs
 from npu_conformance.devices.mblt import MbltLab
 
 _INJECTED = r"Injected fault: infer failed \(infer_fail_after=10"
+#: The release model types of Mobilint Qwen2-VL / Qwen3-VL.
+VLM_MODEL_TYPES = ("mobilint-qwen2_vl", "mobilint-qwen3_vl")
+#: ``vllm serve`` flags of vLLM 0.32 that vLLM 0.11.2 does not have, dropped from a vendor server's
+#: arguments: ``--trust-request-mm-kwargs`` (vLLM 0.11.2 takes a request's ``mm_processor_kwargs``
+#: without being told to).
+_NOT_IN_VLLM_0_11 = ("--trust-request-mm-kwargs",)
 
 
 @dataclass
@@ -65,6 +71,46 @@ class VllmMbltLab(MbltLab):
     def command(self) -> list[str]:
         return self.vendor.vllm_command()
 
+    def vlm_release(self, kind: str) -> Path:
+        """As :meth:`MbltLab.vlm_release`, the simulated release compiled with ``hub_proxy``
+        (``auto_map``, ``proxy_qwen2_vl.py`` / ``proxy_qwen3_vl.py`` and ``text_config.architectures``,
+        as the Hub releases carry) and named ``Qwen2TokenizerFast`` (:meth:`_hub_release`)."""
+        if self.simulated and kind not in self._vlm:
+            from npusim.mxq.compile import compile_artifact
+            from npusim.tinymodel.vlm import build_qwen2_vl, build_qwen3_vl
+
+            from npu_conformance.devices.mblt import VLM_RELEASES
+
+            family, options = VLM_RELEASES[kind]
+            hf = self.workdir / f"tiny-{family}"
+            if not (hf / "config.json").is_file():
+                (build_qwen2_vl if family == "qwen2_vl" else build_qwen3_vl)(hf)
+            self._vlm[kind] = self._hub_release(compile_artifact(hf, self.workdir / f"{kind}-release",
+                                                                 hub_proxy=True, vlm=dict(options)))
+        return super().vlm_release(kind)
+
+    def _hub_release(self, release: Path) -> Path:
+        """A Qwen2-VL / Qwen3-VL release this lab compiled, as the Hub's: with the remote-code entry
+        (``npusim.mxq.compile_vlm.add_hub_proxy``, for a release a scenario compiled itself) and its
+        ``tokenizer_config.json`` naming ``Qwen2TokenizerFast`` (the same ``tokenizer.json``), as
+        the Hub release's does: vLLM 0.11.2's Qwen2-VL / Qwen3-VL processing info builds the
+        transformers-mblt processor, a Qwen2VLProcessor / Qwen3VLProcessor, which under
+        transformers 4.57.6 refuses any other tokenizer class (``TypeError: Received a
+        CachedPreTrainedTokenizerFast for argument tokenizer``). Other artifacts, and releases not
+        built by the lab, are left as they are."""
+        release = Path(release)
+        try:
+            config = json.loads((release / "config.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return release
+        if config.get("model_type") not in VLM_MODEL_TYPES or not release.is_relative_to(self.workdir):
+            return release
+        from npusim.mxq.compile_vlm import add_hub_proxy
+
+        add_hub_proxy(release)
+        _name_qwen2_tokenizer(release)
+        return release
+
     def asr_release(self) -> Path:
         """As :meth:`MbltLab.asr_release`; the simulated release's ``tokenizer_config.json`` names
         ``Qwen2TokenizerFast`` (the same ``tokenizer.json``), as the Hub release's Qwen2 tokenizer
@@ -73,12 +119,8 @@ class VllmMbltLab(MbltLab):
         CachedPreTrainedTokenizerFast for argument tokenizer``); the tiny model's generic
         ``PreTrainedTokenizerFast`` is what transformers 5 writes and accepts."""
         release = super().asr_release()
-        cfg_path = release / "tokenizer_config.json"
-        if release.is_relative_to(self.workdir) and cfg_path.is_file():  # ours, not a board's release
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-            if cfg.get("tokenizer_class") == "PreTrainedTokenizerFast":
-                cfg["tokenizer_class"] = "Qwen2TokenizerFast"
-                cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+        if release.is_relative_to(self.workdir):  # ours, not a board's release
+            _name_qwen2_tokenizer(release)
         return release
 
     def start(self, artifact: Path, args: Sequence[str], log: Path, *, timeout_s: float = vs.START_TIMEOUT_S,
@@ -87,6 +129,8 @@ class VllmMbltLab(MbltLab):
         absolute MXQ paths, :func:`asr_loader_args`)."""
         if "--trust-remote-code" not in args:
             args = (*args, "--trust-remote-code")
+        artifact = self._hub_release(artifact)
+        args = tuple(a for a in args if a not in _NOT_IN_VLLM_0_11)
         return super().start(artifact, asr_loader_args(artifact, args), log, timeout_s=timeout_s, **env)
 
 
@@ -110,3 +154,15 @@ def asr_loader_args(artifact: Path, args: Sequence[str]) -> tuple[str, ...]:
         i = args.index(flag)
         return (*args[:i], flag, json.dumps({**paths, **json.loads(args[i + 1])}), *args[i + 2:])
     return (*args, flag, json.dumps(paths))
+
+
+def _name_qwen2_tokenizer(release: Path) -> None:
+    """``release/tokenizer_config.json``'s generic ``PreTrainedTokenizerFast`` (what transformers 5
+    writes) renamed ``Qwen2TokenizerFast`` (the Hub releases' class, the same ``tokenizer.json``)."""
+    cfg_path = Path(release) / "tokenizer_config.json"
+    if not cfg_path.is_file():
+        return
+    cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
+    if cfg.get("tokenizer_class") == "PreTrainedTokenizerFast":
+        cfg["tokenizer_class"] = "Qwen2TokenizerFast"
+        cfg_path.write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")

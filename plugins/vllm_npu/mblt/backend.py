@@ -36,6 +36,7 @@ from vllm_npu.mblt.dispatch import (
     output_rows,
     split_rows,
     stack_embeds,
+    stack_extras,
 )
 from vllm_npu.mblt.errors import BackendCapacityError, MbltBackendError, MobilintBackendAllocError
 from vllm_npu.mblt.placement import (
@@ -191,6 +192,8 @@ class MbltBackend:
         self._pool: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
         self._disposed = False
+        #: rank of the embeddings input: 4 ``(1, 1, T, H)``; a Qwen3-VL text MXQ takes 3 ``(1, T, H)``
+        self.embeds_rank = 4
 
     # ---------------------------------------------------------------- creation
     @classmethod
@@ -376,12 +379,15 @@ class MbltBackend:
     def _infer_model(self, model_idx: int, group: list[Row]) -> list[np.ndarray]:
         model = self.models[model_idx]
         x = stack_embeds(group, self.hidden_size)
+        if self.embeds_rank == 3:
+            x = x.reshape(1, x.shape[2], x.shape[3])
+        inputs = [x, *stack_extras(group)]
         if self.k_per_model > 1:
             params = [self.runtime.BatchParam(r.n_tokens, int(r.cache_size), int(r.cache_id))
                       for r in group]
-            outputs = model.infer([x], None, 0, params)
+            outputs = model.infer(inputs, None, 0, params)
         else:
-            outputs = model.infer([x], None, int(group[0].cache_size))
+            outputs = model.infer(inputs, None, int(group[0].cache_size))
         lengths = [r.n_tokens for r in group]
         with self._lock:
             layout = self._layout

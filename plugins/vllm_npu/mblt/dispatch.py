@@ -20,7 +20,7 @@ import numpy as np
 
 from vllm_npu.mblt.errors import MbltBackendError
 
-__all__ = ["OutputLayout", "Row", "group_rows", "output_rows", "split_rows", "stack_embeds"]
+__all__ = ["OutputLayout", "Row", "group_rows", "output_rows", "split_rows", "stack_embeds", "stack_extras"]
 
 #: ``"last"``: one output row per item; ``"all"``: one per input token.
 OutputLayout = Literal["last", "all"]
@@ -36,6 +36,9 @@ class Row:
         embeds: ``[T, hidden]`` input embeddings, ``T >= 1`` tokens; converted to float32.
         cache_size: KV tokens already held in that slot before this row (>= 0); the row is
             written at positions ``[cache_size, cache_size + T)``.
+        extras: the MXQ's inputs after the embeddings for this row (a VLM text MXQ's packed RoPE
+            rows, DeepStack rows), in input order, each with its ``T`` tokens on axis -2; a batch
+            call concatenates each along that axis (:func:`stack_extras`). Empty for a text LLM.
 
     Raises:
         ValueError: negative indices or cache_size, ``embeds`` not 2-D or with ``T == 0``.
@@ -45,6 +48,7 @@ class Row:
     cache_id: int
     embeds: np.ndarray
     cache_size: int
+    extras: tuple[np.ndarray, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("model_idx", "cache_id", "cache_size"):
@@ -86,6 +90,21 @@ def stack_embeds(rows: Sequence[Row], hidden: int) -> np.ndarray:
             )
     x = np.concatenate([row.embeds for row in rows], axis=0)
     return np.ascontiguousarray(x, dtype=np.float32).reshape(1, 1, x.shape[0], hidden)
+
+
+def stack_extras(rows: Sequence[Row]) -> list[np.ndarray]:
+    """The rows' extra inputs (:attr:`Row.extras`), each concatenated along its token axis (-2)
+    into one float32 input; ``[]`` when the rows have none.
+
+    Raises:
+        MbltBackendError: rows with different numbers of extra inputs.
+    """
+    counts = {len(row.extras) for row in rows}
+    if len(counts) > 1:
+        raise MbltBackendError(f"rows of one call carry different numbers of extra inputs: {sorted(counts)}")
+    n = counts.pop() if counts else 0
+    return [np.ascontiguousarray(np.concatenate([row.extras[i] for row in rows], axis=-2), dtype=np.float32)
+            for i in range(n)]
 
 
 def output_rows(outputs: Sequence[np.ndarray], vocab: int, lengths: Sequence[int],

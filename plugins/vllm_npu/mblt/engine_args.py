@@ -14,8 +14,8 @@ vllm-rbln does for its own arguments (and :mod:`vllm_npu.rbln.engine_args` for o
 :func:`install` wraps ``EngineArgs.create_engine_config`` from the MBLT general plugin (which
 every vLLM process runs first) and records the three values as given (None when not given) in
 an environment variable, which a spawned engine process inherits. The same wrapper refuses a
-release of a kind the plugin does not serve yet (:func:`vllm_npu.mblt.models.refuse_unbuilt_release`),
-before vLLM parses its config. Active only for the ``mblt-*`` targets; idempotent.
+multimodal release of a model type the plugin does not serve
+(:func:`vllm_npu.mblt.models.refuse_unsupported_release`), before vLLM parses its config. Active only for the ``mblt-*`` targets; idempotent.
 """
 
 from __future__ import annotations
@@ -34,9 +34,10 @@ _FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len")
 
 def install() -> bool:
     """Wrap ``EngineArgs.create_engine_config`` (once). Returns whether it is wrapped now."""
-    from vllm_npu.mblt.models import refuse_unbuilt_release
+    from vllm_npu.mblt.models import refuse_unsupported_release
 
-    run_before_create_engine_config("_npu_harness_mblt_release_kind", lambda args: refuse_unbuilt_release(args.model))
+    run_before_create_engine_config("_npu_harness_mblt_release_kind",
+                                    lambda args: refuse_unsupported_release(args.model))
     return run_before_create_engine_config("_npu_harness_mblt_patched", _record)
 
 

@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from transformers import Exaone4Config, LlamaConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+from transformers import (
+    Exaone4Config,
+    LlamaConfig,
+    Qwen2Config,
+    Qwen2VLConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
+    Qwen3VLConfig,
+)
 from vllm.transformers_utils.configs.qwen3_asr import Qwen3ASRConfig
 
 
@@ -80,3 +88,32 @@ class MobilintQwen3ASRConfig(Qwen3ASRConfig):
         # Spelled out: transformers 5 gives a config subclass without its own __init__ a generated
         # one, which would keep thinker_config a dict instead of vLLM's Qwen3ASRThinkerConfig.
         super().__init__(thinker_config=thinker_config, **kwargs)
+
+
+class MobilintQwen2VLConfig(Qwen2VLConfig):
+    """transformers' ``Qwen2VLConfig`` of a Mobilint Qwen2-VL release (``model_type``
+    ``mobilint-qwen2_vl``, architecture ``MobilintQwen2VLForConditionalGeneration``).
+
+    The release nests its backend keys in the sub-configs (``vision_config.mxq_path``,
+    ``text_config.mxq_path``, ``dev_no``, ``core_mode``, ``max_batch_size``...): they are kept as
+    attributes of ``vision_config`` / ``text_config``, as are the top-level ``dynamic_vision``
+    flag (static vs dynamic vision, read by :func:`vllm_npu.mblt.vlm_model.is_dynamic_vision`) and
+    any ``vision_*`` / ``text_*`` override. vLLM reads the text model's shape (``hidden_size``,
+    ``num_attention_heads``, ``vocab_size``, ``max_position_embeddings``, the M-RoPE
+    ``rope_scaling``) from ``text_config`` through ``get_text_config()``; the token ids
+    (``image_token_id``, ``video_token_id``, ``vision_start_token_id``, ``vision_end_token_id``)
+    are the upstream fields."""
+
+    model_type = "mobilint-qwen2_vl"
+
+
+class MobilintQwen3VLConfig(Qwen3VLConfig):
+    """transformers' ``Qwen3VLConfig`` of a Mobilint Qwen3-VL release (``model_type``
+    ``mobilint-qwen3_vl``, architecture ``MobilintQwen3VLForConditionalGeneration``).
+
+    As :class:`MobilintQwen2VLConfig`, plus: static vs dynamic vision is the top-level
+    ``is_dynamic`` (``dynamic_vision`` its legacy alias; either true means dynamic),
+    ``vision_config.vision_output_order`` and ``deepstack_visual_indexes`` are kept for the
+    worker."""
+
+    model_type = "mobilint-qwen3_vl"

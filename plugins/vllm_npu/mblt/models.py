@@ -8,16 +8,17 @@ both have to be known in every vLLM process:
 - :func:`register` adds a transformers config class per Mobilint model type
   (:mod:`vllm_npu.mblt.hf_configs`), and registers each text architecture with
   vLLM's ``ModelRegistry`` as :class:`MobilintForCausalLM`, each multimodal one
-  (:data:`MULTIMODAL_MODEL_TYPES`: Qwen3-ASR) as its own class (for ASR
+  (:data:`MULTIMODAL_MODEL_TYPES`: Qwen3-ASR, Qwen2-VL, Qwen3-VL) as its own class (for ASR
   :class:`vllm_npu.mblt.asr_model.MobilintQwen3ASRForConditionalGeneration`, which carries vLLM's
-  Qwen3-ASR processor and transcription hooks).
+  Qwen3-ASR processor and transcription hooks; for the VLMs the classes of
+  :mod:`vllm_npu.mblt.vlm_model`, with their processors and M-RoPE positions).
 - :class:`MobilintForCausalLM` is a placeholder that satisfies vLLM's model interface
   checks. The MBLT worker never builds it: the model runs inside the MXQ, through the
   runtime API. Building it raises :class:`MobilintModelNotBuildable`.
-- :func:`refuse_unbuilt_release`: a release of a kind vllm-mblt serves and this plugin does not
-  yet (:data:`NOT_BUILT_MODEL_TYPES`: the VLMs) is refused before vLLM parses
-  its config, with :class:`MobilintReleaseNotBuilt` naming the issue that builds it (otherwise
-  vLLM would stop on an unknown model type or architecture, which says nothing of why).
+- :func:`refuse_unsupported_release`: a Mobilint multimodal release of a model type the plugin
+  does not serve (say ``mobilint-qwen2_5_vl``) is refused before vLLM parses its config, with
+  :class:`MobilintUnsupportedModelType` naming the type and the served ones (otherwise vLLM would
+  stop on an unknown model type or architecture, which says nothing of why).
 """
 
 from __future__ import annotations
@@ -46,47 +47,50 @@ TEXT_MODEL_TYPES: dict[str, tuple[str, str]] = {
 MULTIMODAL_MODEL_TYPES: dict[str, tuple[str, str, str]] = {
     "mobilint-qwen3_asr": ("MobilintQwen3ASRForConditionalGeneration", "MobilintQwen3ASRConfig",
                            "vllm_npu.mblt.asr_model:MobilintQwen3ASRForConditionalGeneration"),
-}
-
-#: Mobilint release model types that vllm-mblt 0.8.0 serves and this plugin does not yet ->
-#: (what the release is, the issue that builds it).
-NOT_BUILT_MODEL_TYPES: dict[str, tuple[str, int]] = {
-    "mobilint-qwen2_vl": ("a vision-language (Qwen2-VL) release", 14),
-    "mobilint-qwen3_vl": ("a vision-language (Qwen3-VL) release", 14),
+    "mobilint-qwen2_vl": ("MobilintQwen2VLForConditionalGeneration", "MobilintQwen2VLConfig",
+                          "vllm_npu.mblt.vlm_model:MobilintQwen2VLForConditionalGeneration"),
+    "mobilint-qwen3_vl": ("MobilintQwen3VLForConditionalGeneration", "MobilintQwen3VLConfig",
+                          "vllm_npu.mblt.vlm_model:MobilintQwen3VLForConditionalGeneration"),
 }
 
 _REGISTERED = False
 
+#: Sub-config keys that mark a multimodal release (``thinker_config``: Qwen3-ASR).
+MULTIMODAL_SUBCONFIGS: tuple[str, ...] = ("vision_config", "video_config", "image_config", "audio_config",
+                                          "thinker_config")
 
-class MobilintReleaseNotBuilt(NotImplementedError):
-    """The model directory is a Mobilint release of a kind this plugin does not serve yet."""
+
+class MobilintUnsupportedModelType(ValueError):
+    """The model directory is a Mobilint multimodal release of a model type this plugin does not serve."""
 
 
-def refuse_unbuilt_release(model: str | os.PathLike | None) -> None:
-    """Refuse a local model directory whose ``config.json`` names a model type of
-    :data:`NOT_BUILT_MODEL_TYPES`.
+def refuse_unsupported_release(model: str | os.PathLike | None) -> None:
+    """Refuse a local model directory whose ``config.json`` is a Mobilint multimodal release
+    (a ``mobilint-*`` model type with a vision, video, image, audio or thinker sub-config) of a
+    type outside :data:`MULTIMODAL_MODEL_TYPES`, before any inference.
 
     Anything else passes untouched, for vLLM to judge: a Hub id (not a local directory), a
-    directory without a readable ``config.json``, any other model type.
+    directory without a readable ``config.json``, a text release, any other model type.
 
     Raises:
-        MobilintReleaseNotBuilt: the release's kind is not served yet; the message names the
-            directory, its model type and the issue.
+        MobilintUnsupportedModelType: the message names the directory, its model type and the
+            multimodal types the plugin serves.
     """
     if model is None:
         return
     path = Path(model) / "config.json"
     try:
-        model_type = json.loads(path.read_text(encoding="utf-8")).get("model_type")
+        config = json.loads(path.read_text(encoding="utf-8"))
+        model_type = str(config.get("model_type", ""))
     except (OSError, ValueError, AttributeError):
         return
-    if model_type in NOT_BUILT_MODEL_TYPES:
-        what, issue = NOT_BUILT_MODEL_TYPES[model_type]
-        raise MobilintReleaseNotBuilt(
-            f"{model}: model_type {model_type!r} is {what}, which vllm-mblt serves and the MBLT "
-            f"plugin does not yet (issue {issue}); the plugin serves the text releases "
-            f"({', '.join(TEXT_MODEL_TYPES)}) and {', '.join(MULTIMODAL_MODEL_TYPES)}"
-        )
+    if (not model_type.startswith("mobilint") or model_type in MULTIMODAL_MODEL_TYPES
+            or model_type in TEXT_MODEL_TYPES
+            or not any(isinstance(config.get(k), dict) for k in MULTIMODAL_SUBCONFIGS)):
+        return
+    raise MobilintUnsupportedModelType(
+        f"{model}: model_type {model_type!r} is a multimodal release the MBLT plugin does not serve; "
+        f"its multimodal releases are {', '.join(MULTIMODAL_MODEL_TYPES)} (Qwen3-ASR, Qwen2-VL, Qwen3-VL)")
 
 
 class MobilintModelNotBuildable(RuntimeError):

@@ -224,6 +224,71 @@ def _asr_rules(vllm_config: Any) -> None:
     mm.limit_per_prompt["audio"] = AudioDummyOptions(count=1)
 
 
+VLM_STATIC_LIMIT_REFUSAL = ("--limit-mm-per-prompt {modality}={count}: a {kind} Mobilint {family} release takes "
+                            "exactly one image and no video per request (image=1, video=0); a dynamic-vision Qwen3-VL "
+                            "release takes several images and videos")
+
+
+def _vlm_dynamic(model_dir: str, artifact: dict[str, Any], overrides: Any) -> bool:
+    """Whether a VLM release's vision is dynamic: read off its vision MXQ's input count (a
+    never-launched ``Model`` of the selected runtime, as the worker decides), else the config's
+    flag (``is_dynamic`` / ``dynamic_vision``) when the MXQ cannot be read here."""
+    from vllm_npu.mblt import vlm
+    from vllm_npu.mblt.runtime import load_runtime
+    from vllm_npu.targets import selected_target
+
+    family = vlm.vlm_family(artifact)
+    try:
+        vision_mxq, _text = vlm.VlmRelease.mxq_paths(model_dir, artifact, overrides.extra)
+        shapes = vlm.probe_input_shapes(load_runtime(selected_target() or ""), vision_mxq)
+        return vlm.vision_layout(str(family), shapes, artifact.get("vision_config") or {}).dynamic
+    except Exception as exc:  # noqa: BLE001 - the worker reads the MXQs again and raises its error
+        logger.debug("MBLT platform: vision MXQ not read here (%s); using the config's dynamic flag", exc)
+    flag = artifact.get("is_dynamic", artifact.get("dynamic_vision")) if family == "qwen3_vl" \
+        else artifact.get("dynamic_vision", (artifact.get("vision_config") or {}).get("dynamic_vision"))
+    return bool(flag)
+
+
+def _vlm_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any) -> bool:
+    """A Mobilint Qwen2-VL / Qwen3-VL release (:mod:`vllm_npu.mblt.vlm`): no unprefixed
+    ``mxq_path``; a Qwen2-VL release (static or dynamic vision) and a static-vision Qwen3-VL one take one
+    image and no video per prompt (``--limit-mm-per-prompt`` image 1, video 0; a larger explicit
+    limit stops start-up naming it). Prefix caching stays on: it covers the LM KV only (the worker
+    encodes every request's images again).
+
+    Returns:
+        Whether requests may carry several images and videos (a dynamic Qwen3-VL).
+
+    Raises:
+        vllm_npu.mblt.settings.MbltConfigError: an unprefixed ``mxq_path``, or a limit above the
+            static release's.
+    """
+    from vllm.config.multimodal import ImageDummyOptions, VideoDummyOptions
+
+    from vllm_npu.mblt import settings, vlm
+
+    settings.refuse_vlm_mxq_path(overrides)
+    model_config = vllm_config.model_config
+    dynamic = _vlm_dynamic(model_config.model, artifact, overrides)
+    family = vlm.vlm_family(artifact)
+    mm = model_config.multimodal_config
+    multi_item = dynamic and family == "qwen3_vl"  # Qwen2-VL: one image, dynamic or not (the seed, vllm-mblt)
+    if mm is not None and not multi_item:
+        name = "Qwen2-VL" if family == "qwen2_vl" else "Qwen3-VL"
+        allowed = {"image": 1, "video": 0}
+        for modality, opts in mm.limit_per_prompt.items():
+            if opts.count > allowed.get(modality, 0):
+                raise settings.MbltConfigError(VLM_STATIC_LIMIT_REFUSAL.format(
+                    modality=modality, count=opts.count, family=name,
+                    kind="dynamic-vision" if dynamic else "static-vision"))
+        image = mm.limit_per_prompt.get("image")
+        mm.limit_per_prompt["image"] = image if image is not None and image.count == 1 else ImageDummyOptions(count=1)
+        mm.limit_per_prompt["video"] = VideoDummyOptions(count=0)
+    logger.info("MBLT platform: Mobilint %s release, %s vision%s", family, "dynamic" if dynamic else "static",
+                "" if multi_item else " (one image per request, no video)")
+    return multi_item
+
+
 def _moe_rules(artifact: dict[str, Any], overrides: Any) -> None:
     """A Mixture-of-Experts release: one sequence at a time, placement by role (its
     ``max_model_len`` is clamped as any artifact's: :func:`_clamp_max_model_len`).
@@ -297,11 +362,20 @@ class MbltPlatform(NpuPlatform):
         asr = is_asr_release(artifact)
         if asr:
             _asr_rules(vllm_config)
+        from vllm_npu.mblt.vlm import is_vlm_release, vlm_family
+
+        plan_artifact, plan_overrides = artifact, overrides
+        cls._serving_vlm = None
+        if is_vlm_release(artifact):
+            multi_item = _vlm_rules(vllm_config, artifact, overrides)
+            cls._serving_vlm = (str(vlm_family(artifact)), multi_item)
+            # the scheduler serves the text MXQ: its max_batch_size, core mode and prefill chunk
+            plan_artifact, plan_overrides = settings.vlm_role_view(artifact, overrides, "text")
         if user["max_model_len"] is None:
             _clamp_max_model_len(vllm_config, artifact, overrides)
         plan = settings.plan_scheduler(
-            artifact,
-            overrides,
+            plan_artifact,
+            plan_overrides,
             user_max_num_seqs=user["max_num_seqs"],
             user_max_num_batched_tokens=user["max_num_batched_tokens"],
             user_block_size=cache.block_size if cache.user_specified_block_size else None,
@@ -355,6 +429,10 @@ class MbltPlatform(NpuPlatform):
 
     #: Whether this process configured an EAGLE-3 release (the fallback of :meth:`_eagle3_engine`).
     _serving_eagle3 = False
+    #: ``(family, several images and videos per request)`` of the VLM release this process configured, else None.
+    _serving_vlm: tuple[str, bool] | None = None
+    #: The image position of each session of a static VLM release (:meth:`_validate_vlm`).
+    _vlm_sessions: Any = None
 
     @classmethod
     def _eagle3_engine(cls) -> bool:
@@ -396,6 +474,41 @@ class MbltPlatform(NpuPlatform):
             return
         refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError,
                          serves_prompt_logprobs=True)
+        if cls._serving_vlm is not None:
+            cls._validate_vlm(processed_inputs, params)
+
+    @classmethod
+    def _validate_vlm(cls, processed_inputs: Any, params: Any) -> None:
+        """A VLM release's per-request rules, answered with HTTP 400 (the worker checks the same
+        again): static vision takes exactly one image and no video, and a session keeps its image at
+        one token position (:class:`vllm_npu.mblt.vlm.SessionImagePositions`: the session is the
+        client's ``vllm_xargs.session_id``); dynamic Qwen3-VL takes images and videos, each encoder
+        call at most :data:`vllm_npu.mblt.vlm.MAX_VISION_PATCHES` pre-merge patches.
+
+        Raises:
+            MbltRequestError: the seed's text of the broken rule (``parameter`` ``multi_modal_data``).
+        """
+        from vllm_npu.mblt import vlm
+
+        if not isinstance(processed_inputs, dict) or cls._serving_vlm is None:
+            return
+        placeholders = processed_inputs.get("mm_placeholders") or {}
+        modalities = [m for m, ranges in placeholders.items() for _ in (ranges or ())]
+        _family, multi_item = cls._serving_vlm
+        try:
+            vlm.check_request_rules(modalities, dynamic=multi_item)
+            if multi_item:
+                for modality, items in (processed_inputs.get("mm_kwargs") or {}).items():
+                    key = "video_grid_thw" if modality == "video" else "image_grid_thw"
+                    for item in items or ():
+                        if item is not None and key in item:
+                            vlm.check_vision_patches(modality, vlm._np(item[key]).reshape(-1, 3).tolist())
+            elif modalities:
+                if cls._vlm_sessions is None:
+                    cls._vlm_sessions = vlm.SessionImagePositions()
+                cls._vlm_sessions.check(vlm.session_id_of(params), vlm.image_signature(placeholders["image"][0]))
+        except vlm.VlmRuleError as exc:
+            raise MbltRequestError(str(exc), parameter="multi_modal_data") from None
 
     @staticmethod
     def _validate_eagle3(processed_inputs: Any, params: Any) -> None:

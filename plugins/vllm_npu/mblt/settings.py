@@ -519,13 +519,19 @@ def parse_loader_extra_config(raw: Mapping[str, object] | str | None) -> LayoutO
 def mxq_path_of(model_dir: str, artifact: Mapping[str, object], overrides: LayoutOverrides) -> str | None:
     """The MXQ file the worker loads: ``mxq_path`` of ``--model-loader-extra-config``, else of
     the artifact's ``config.json``, joined to ``model_dir``; None when neither names one. For a
-    Qwen3-ASR release, its text decoder's (:class:`vllm_npu.mblt.asr.AsrRelease`).
+    Qwen3-ASR release, its text decoder's (:class:`vllm_npu.mblt.asr.AsrRelease`); for a VLM
+    release, its text MXQ's (:func:`vlm_role_view`).
 
     Raises:
-        MbltConfigError: ``mxq_path`` given for a Qwen3-ASR release (it has two MXQs).
+        MbltConfigError: ``mxq_path`` given for a Qwen3-ASR or VLM release (they have two MXQs).
     """
     from vllm_npu.mblt.asr import AsrRelease, is_asr_release
+    from vllm_npu.mblt.vlm import is_vlm_release
 
+    if is_vlm_release(artifact):
+        refuse_vlm_mxq_path(overrides)
+        rel_text = vlm_role_view(artifact, overrides, "text")[0].get("mxq_path")
+        return str(Path(model_dir) / str(rel_text)) if rel_text else None
     if is_asr_release(artifact):
         from vllm_npu.mblt.errors import MbltBackendError
 
@@ -739,3 +745,90 @@ def plan_scheduler(
         plan.prefill_chunk, plan.max_num_batched_tokens, plan.long_prefill_token_threshold,
     )
     return plan
+
+
+# --------------------------------------------------------------------------------------------
+# VLM releases: vision_* / text_* layout keys (vllm-mblt's _normalize_model_kwargs_for_hf_config)
+
+#: Unprefixed loader keys a VLM forwards to both roles (``setdefault``: a prefixed key wins).
+VLM_SHARED_KEYS: tuple[str, ...] = (
+    "dev_no", "max_batch_size", "core_mode", "target_cores", "target_clusters", "npu_prefill_chunk_size",
+)
+#: Per-role keys of a VLM release (``vision_<key>`` / ``text_<key>``, or ``<role>_config.<key>``).
+VLM_ROLE_KEYS: tuple[str, ...] = ("mxq_path", "target_device", *VLM_SHARED_KEYS)
+VLM_MXQ_PATH_REFUSAL = (
+    "mxq_path={value!r}: a vision-language release has two MXQs; a single top-level mxq_path is only meaningful "
+    "for single-module text models, use vision_mxq_path and/or text_mxq_path")
+
+
+def refuse_vlm_mxq_path(overrides: LayoutOverrides) -> None:
+    """An unprefixed ``mxq_path`` in the loader extra config of a VLM release.
+
+    Raises:
+        MbltConfigError: naming ``vision_mxq_path`` / ``text_mxq_path``.
+    """
+    if overrides.extra.get("mxq_path"):
+        raise MbltConfigError(VLM_MXQ_PATH_REFUSAL.format(value=overrides.extra["mxq_path"]))
+
+
+def vlm_role_view(artifact: Mapping[str, object], overrides: LayoutOverrides,
+                  role: str) -> tuple[dict[str, object], LayoutOverrides]:
+    """One role's (``"vision"`` / ``"text"``) layout as a single-MXQ model's: ``(config view,
+    loader view)`` that :func:`resolve_core_mode`, :func:`resolve_max_batch_size`,
+    :func:`resolve_prefill_chunk` and :func:`plan_scheduler` read as they read a text model's.
+
+    Precedence per key (vllm-mblt's, fact sheet §4.7): the loader extra config's ``<role>_<key>``,
+    then its unprefixed key (only :data:`VLM_SHARED_KEYS`; never ``mxq_path``), then
+    ``config.json``'s top-level ``<role>_<key>``, then ``<role>_config.<key>``. The loader values
+    go to the loader view (validated as the loader extra config is), the config values to the config
+    view's top level (``mxq_path`` included, relative to the model directory).
+
+    Raises:
+        MbltConfigError: a loader value breaking :func:`parse_loader_extra_config`'s rules; the
+            message names the role.
+    """
+    if role not in ("vision", "text"):
+        raise ValueError(f"role must be 'vision' or 'text', got {role!r}")
+    sub = artifact.get(f"{role}_config")
+    sub = sub if isinstance(sub, Mapping) else {}
+    unprefixed = {"dev_no": list(overrides.dev_no) if overrides.dev_no is not None else None,
+                  "max_batch_size": overrides.max_batch_size, "core_mode": overrides.core_mode,
+                  "target_cores": list(overrides.target_cores) if overrides.target_cores else None,
+                  "target_clusters": list(overrides.target_clusters) if overrides.target_clusters else None,
+                  "npu_prefill_chunk_size": overrides.extra.get("npu_prefill_chunk_size")}
+    loader: dict[str, object] = {}
+    for key in VLM_ROLE_KEYS:
+        value = overrides.extra.get(f"{role}_{key}")
+        if value is None and key in VLM_SHARED_KEYS:
+            value = unprefixed.get(key)
+        if value is not None:
+            loader[key] = value
+    if "target_cores" in loader and "target_clusters" in loader:  # a prefixed kind beats a shared other kind
+        drop = "target_clusters" if overrides.extra.get(f"{role}_target_cores") is not None else "target_cores"
+        loader.pop(drop)
+    layout_keys = {k: v for k, v in loader.items() if k in LAYOUT_KEYS}
+    try:
+        parsed = parse_loader_extra_config(layout_keys)
+    except MbltConfigError as exc:
+        raise MbltConfigError(f"the {role} MXQ's layout ({role}_* keys and the shared keys): {exc}") from None
+    extra = {k: v for k, v in overrides.extra.items() if k != "mxq_path" and not k.startswith(("vision_", "text_"))}
+    for key in ("mxq_path", "npu_prefill_chunk_size", "target_device"):
+        if key in loader:
+            extra[key] = loader[key]
+    loader_view = LayoutOverrides(dev_no=parsed.dev_no, target_cores=parsed.target_cores,
+                                  target_clusters=parsed.target_clusters, core_mode=parsed.core_mode,
+                                  max_batch_size=parsed.max_batch_size, prefix_cache=overrides.prefix_cache,
+                                  extra=MappingProxyType(extra))
+    config_view = {k: v for k, v in artifact.items() if k not in VLM_ROLE_KEYS}
+    for key in VLM_ROLE_KEYS:
+        value = artifact.get(f"{role}_{key}")
+        if value is None:
+            value = sub.get(key)
+        if value is not None:
+            config_view[key] = value
+    if loader.get("npu_prefill_chunk_size") is not None:  # read from the config view by resolve_prefill_chunk
+        config_view["npu_prefill_chunk_size"] = loader["npu_prefill_chunk_size"]
+    for key in ("mxq_path", "target_device"):  # loader wins; read from the config view
+        if loader.get(key) is not None:
+            config_view[key] = loader[key]
+    return config_view, loader_view

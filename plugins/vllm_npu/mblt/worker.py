@@ -27,6 +27,19 @@ KV bookkeeping (what a slot or a prefix snapshot holds) each audio position coun
 its own, derived from the clip's hash, so a snapshot is reused only for the same audio, never for
 another clip of the same length.
 
+A Qwen2-VL / Qwen3-VL release (:mod:`vllm_npu.mblt.vlm`) adds its vision MXQ the same way: each
+image or video of a new request is encoded once when the request arrives (never cached across
+requests: the prefix cache covers the LM KV only), its rows written over the placeholders'
+embedding rows (``is_embed``), its positions keyed by the item's hash for the KV bookkeeping. The
+text MXQ's further inputs are built per piece: Qwen3-VL's dense DeepStack rows (zeros outside the
+images, and for generated tokens), and, for a RoPE-input text MXQ, the packed M-RoPE rows of the
+piece's positions (the prompt's from :func:`vllm_npu.mblt.vlm_positions.rope_index`, computed here
+from the prompt ids and the items' grids because vLLM 0.32's scheduler output carries no M-RoPE
+positions: its GPU runner computes them itself with the model class; generated token ``i`` at
+``i + delta`` on all rows). A static text MXQ takes no positions: it rotates by the cache position.
+An item vLLM's prefix cache covers may arrive without its pixels; its KV must then come from a
+prefix snapshot, which is loaded whatever the cost model says.
+
 Prompt logprobs (``prompt_logprobs``, and ``echo`` with logprobs) are scored as the prompt is
 computed (:mod:`vllm_npu.mblt.prompt_logprobs`): one infer per chunk on an MXQ that emits every
 position's logits, else the seed's 1-token microstep path for that request (the others in its
@@ -61,6 +74,7 @@ from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
 from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
+from vllm_npu.mblt.vlm import is_vlm_release
 from vllm_npu.mblt.sampling import HostSampler, SampleRequest
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
@@ -98,9 +112,17 @@ class _Req:
     num_computed: int = 0
     #: the prompt-logprob rows being filled (None: not asked, or already returned)
     prompt_logprobs: PromptLogprobs | None = None
-    #: audio: prompt positions of the audio embeddings, and the embeddings ``[n, hidden]``
-    audio_pos: np.ndarray | None = None
-    audio_rows: np.ndarray | None = None
+    #: audio / vision: prompt positions of the encoder's embeddings, and the embeddings ``[n, hidden]``
+    mm_pos: np.ndarray | None = None
+    mm_rows: np.ndarray | None = None
+    #: Qwen3-VL: the DeepStack rows ``[L, n, hidden]`` of ``mm_pos``
+    mm_deep: np.ndarray | None = None
+    #: VLM with a RoPE-input text MXQ: the prompt's M-RoPE positions ``[3, T]`` and decode delta
+    mrope: np.ndarray | None = None
+    mrope_delta: int = 0
+    #: VLM: the prompt prefix whose images vLLM's prefix cache covered and sent without pixels
+    #: (its KV must come from a snapshot)
+    covered_until: int = 0
     #: the prompt's ids for KV bookkeeping: audio positions hold negative clip-derived ids
     key_prompt_ids: list[int] | None = None
 
@@ -143,6 +165,26 @@ def _load_embeddings(model_dir: str) -> np.ndarray:
     )
 
 
+def _load_tensor(model_dir: str, name: str, what: str) -> np.ndarray:
+    """The float32 tensor ``name`` from the release's safetensors files (``model.safetensors`` and
+    ``embedding.safetensors`` first, then the others in name order).
+
+    Raises:
+        MbltWorkerError: no file holds it (the files looked at named, and ``what`` it is).
+    """
+    from safetensors import safe_open
+
+    d = Path(model_dir)
+    first = [d / n for n in ("model.safetensors", "embedding.safetensors") if (d / n).is_file()]
+    files = first + sorted(f for f in d.glob("*.safetensors") if f not in first)
+    for f in files:
+        with safe_open(str(f), framework="numpy") as fh:
+            if name in fh.keys():
+                return np.ascontiguousarray(fh.get_tensor(name), dtype=np.float32)
+    raise MbltWorkerError(f"no {name!r} ({what}) in the safetensors files of {d} "
+                          f"({', '.join(f.name for f in files) if files else 'there are none'})")
+
+
 def _core_mode_mismatch(runtime: Any, mxq_path: str, core_mode: str) -> str:
     """The start-up error for ``Model_MXQAndModelConfigNotMatch``, naming the core mode asked
     for and the MXQ's compiled modes (from ``get_model_summary``'s ``core modes:`` line)."""
@@ -177,7 +219,13 @@ class MbltWorker(NpuWorker):
         self.overrides = settings.parse_loader_extra_config(self.load_config.model_loader_extra_config)
         self.artifact = artifact_config(vllm_config)
         self.core_mode = settings.resolve_core_mode(self.overrides, self.artifact)
-        self.max_batch_size = settings.resolve_max_batch_size(self.overrides, self.artifact) or 1
+        #: the text MXQ's layout keys: a VLM release's ``text_*`` view (:func:`settings.vlm_role_view`)
+        self.layout_artifact, self.layout_overrides = self.artifact, self.overrides
+        if is_vlm_release(self.artifact):
+            settings.refuse_vlm_mxq_path(self.overrides)
+            self.layout_artifact, self.layout_overrides = settings.vlm_role_view(self.artifact, self.overrides, "text")
+            self.core_mode = settings.resolve_core_mode(self.layout_overrides, self.layout_artifact)
+        self.max_batch_size = settings.resolve_max_batch_size(self.layout_overrides, self.layout_artifact) or 1
         self.pc_settings = pc.prefix_cache_settings(os.environ, self.overrides.prefix_cache)
         self.cost_model = pc.PrefixCacheCostModel(self.pc_settings)
         self.backend: MbltBackend | None = None
@@ -185,6 +233,9 @@ class MbltWorker(NpuWorker):
         self.eagle3 = None
         #: a Qwen3-ASR release's audio encoder; None otherwise
         self.audio: AsrEncoder | None = None
+        #: a VLM release's layout and vision encoder (:mod:`vllm_npu.mblt.vlm`); None otherwise
+        self.vlm = None
+        self.vision = None
         self.reqs: dict[str, _Req] = {}
         self.free_vslots: list[int] = list(range(self.max_batch_size))
         self.snapshots: pc.SnapshotIndex[RequestKV] = pc.SnapshotIndex(pc.MAX_FINISHED_SNAPSHOTS)
@@ -239,10 +290,10 @@ class MbltWorker(NpuWorker):
             self._finish_load(MoeBackend.create(runtime, model_dir, self.artifact, placement, device), runtime,
                               "the Mixture-of-Experts release's shared MXQs")
             return
-        dev_no = self.overrides.dev_no
+        dev_no = self.layout_overrides.dev_no
         if dev_no is None:
-            dev_no = settings.parse_dev_no(self.artifact.get("dev_no", 0), source=f"{model_dir}/config.json")
-        target_cores = self.overrides.target_cores
+            dev_no = settings.parse_dev_no(self.layout_artifact.get("dev_no", 0), source=f"{model_dir}/config.json")
+        target_cores = self.layout_overrides.target_cores
         core_mode = self.core_mode or "auto"
         if is_asr_release(self.artifact):
             release = AsrRelease.resolve(model_dir, self.artifact, self.overrides.extra, dev_no[0])
@@ -252,6 +303,8 @@ class MbltWorker(NpuWorker):
                         self.audio.mel_bins, self.audio.hidden_size)
             core_mode = self.overrides.core_mode or release.decoder_core_mode or core_mode
             target_cores = target_cores or release.decoder_target_cores
+        if is_vlm_release(self.artifact):
+            self._load_vision(runtime, model_dir)
         mxq_path = settings.mxq_path_of(model_dir, self.artifact, self.overrides)
         if mxq_path is None:
             raise MbltWorkerError(f"{model_dir}/config.json names no mxq_path")
@@ -261,9 +314,9 @@ class MbltWorker(NpuWorker):
             dev_no=tuple(dev_no),
             core_mode=core_mode,
             target_cores=target_cores,
-            target_clusters=self.overrides.target_clusters,
+            target_clusters=self.layout_overrides.target_clusters,
             max_batch_size=self.max_batch_size,
-            device_name=self._device_name("target_device"),
+            device_name=str(self.layout_artifact.get("target_device", "aries")).split("-")[0] or "aries",
         )
         try:
             backend = MbltBackend.create(runtime, mxq_path, layout)
@@ -273,6 +326,36 @@ class MbltWorker(NpuWorker):
                 raise settings.MbltConfigError(_core_mode_mismatch(runtime, mxq_path, core_mode)) from exc
             raise
         self._finish_load(backend, runtime, f"the loaded MXQ {mxq_path}")
+
+    def _load_vision(self, runtime: Any, model_dir: str) -> None:
+        """A VLM release: read both MXQs' layouts (:class:`vllm_npu.mblt.vlm.VlmRelease`), refuse the
+        unsupported ones, and launch the vision MXQ with its ``vision_*`` layout keys.
+
+        Raises:
+            vllm_npu.mblt.settings.MbltConfigError: a batched Qwen3-VL text MXQ without a RoPE input
+                (split-static included), a batched RoPE-input Qwen2-VL one, a bad ``vision_*`` key.
+            vllm_npu.mblt.vlm.VlmLayoutError: MXQs matching no layout of the family, or disagreeing.
+        """
+        from vllm_npu.mblt.vlm import POS_EMBED_TENSOR, VisionEncoder, VlmRelease, probe_input_shapes
+
+        vision_mxq, text_mxq = VlmRelease.mxq_paths(model_dir, self.artifact, self.overrides.extra)
+        release = VlmRelease.resolve(model_dir, self.artifact, self.overrides.extra,
+                                     probe_input_shapes(runtime, vision_mxq), probe_input_shapes(runtime, text_mxq),
+                                     text_max_batch_size=self.max_batch_size)
+        vart, vov = settings.vlm_role_view(self.artifact, self.overrides, "vision")
+        dev = vov.dev_no or settings.parse_dev_no(vart.get("dev_no", 0), source=f"{model_dir}/config.json vision")
+        pos_embed = None
+        if release.family == "qwen3_vl" and release.dynamic:
+            pos_embed = _load_tensor(model_dir, POS_EMBED_TENSOR, "the dynamic Qwen3-VL vision position embedding")
+        device = str(vart.get("target_device") or self.artifact.get("target_device", "aries")).split("-")[0] or "aries"
+        self.vision = VisionEncoder.create(
+            runtime, release, dev_no=dev[0], core_mode=settings.resolve_core_mode(vov, vart) or "single",
+            target_cores=vov.target_cores, target_clusters=vov.target_clusters, device_name=device,
+            pos_embed=pos_embed)
+        self.vlm = release
+        logger.info("MBLT %s: vision MXQ %s (%s, %d input(s)) on device %d; text MXQ %s (inputs %s)",
+                    release.family, release.vision_mxq, release.vision.kind, len(release.vision.input_shapes),
+                    dev[0], release.text_mxq, ", ".join(release.text.inputs))
 
     def _load_eagle3(self, runtime: Any, model_dir: str) -> None:
         """An EAGLE-3 release: its three MXQs and the round runner (:mod:`vllm_npu.mblt.eagle3_serving`),
@@ -325,7 +408,13 @@ class MbltWorker(NpuWorker):
                     f"({backend.max_cache_size} tokens per cache id). "
                     f"Pass --max-model-len {backend.max_cache_size} or lower."
                 )
-            self.embeddings = _load_embeddings(model_dir)
+            if self.vlm is not None:
+                from vllm_npu.mblt.vlm import TEXT_EMBED_TENSOR
+
+                self.embeddings = _load_tensor(model_dir, TEXT_EMBED_TENSOR, "the host-side text embedding")
+                backend.embeds_rank = self.vlm.text.embeds_rank
+            else:
+                self.embeddings = _load_embeddings(model_dir)
             if self.embeddings.shape[1] != backend.hidden_size:
                 raise MbltWorkerError(
                     f"embedding width {self.embeddings.shape[1]} does not match the MXQ input width "
@@ -381,7 +470,8 @@ class MbltWorker(NpuWorker):
         x = np.zeros((tokens, self.backend.hidden_size), np.float32)
         width = self.backend.max_width
         for start in range(0, tokens, width):
-            self.backend.infer_rows([Row(slot[0], slot[1], x[start:start + width], start)])
+            piece = x[start:start + width]
+            self.backend.infer_rows([Row(slot[0], slot[1], piece, start, self._text_extras(None, start, len(piece)))])
 
     def get_kv_cache_spec(self) -> dict[str, Any]:
         from vllm.v1.kv_cache_interface import MLAAttentionSpec
@@ -447,10 +537,13 @@ class MbltWorker(NpuWorker):
         self.reqs.clear()
 
     def _drop_audio(self) -> None:
-        """Dispose a Qwen3-ASR release's audio encoder, if one was created."""
+        """Dispose a Qwen3-ASR release's audio encoder or a VLM release's vision encoder, if one was created."""
         if self.audio is not None:
             self.audio.dispose()
             self.audio = None
+        if self.vision is not None:
+            self.vision.dispose()
+            self.vision = None
 
     def get_supported_tasks(self) -> tuple[str, ...]:
         """``generate``; a Qwen3-ASR release also ``transcription`` (vLLM then serves
@@ -535,7 +628,9 @@ class MbltWorker(NpuWorker):
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
                   RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"), vslot, gen)
         st.num_computed = new.num_computed_tokens
-        if new.mm_features:
+        if self.vlm is not None:
+            self._add_vision(st, new.mm_features or [], new.num_computed_tokens)
+        elif new.mm_features:
             self._add_audio(st, new.mm_features)
         assert self.backend is not None
         k = num_logprobs(params, self.backend.vocab_size, "prompt_logprobs")
@@ -561,23 +656,101 @@ class MbltWorker(NpuWorker):
         if self.audio is None:
             raise MbltWorkerError(f"req_id={st.req_id}: multimodal data for a release that takes none")
         items = feature_rows(mm_features, self.audio)
-        st.audio_pos = np.concatenate([pos for _clip, pos, _rows in items])
-        st.audio_rows = np.concatenate([rows for _clip, _pos, rows in items], axis=0)
+        st.mm_pos = np.concatenate([pos for _clip, pos, _rows in items])
+        st.mm_rows = np.concatenate([rows for _clip, _pos, rows in items], axis=0)
         keys = list(st.prompt_ids)
         for clip, pos, _rows in items:
             for p, k in zip(pos.tolist(), audio_key_ids(clip, pos.size)):
                 keys[p] = k
         st.key_prompt_ids = keys
 
+    def _add_vision(self, st: _Req, mm_features: list, computed: int) -> None:
+        """A VLM request: encode its images/videos once (:func:`vllm_npu.mblt.vlm.feature_items`, the
+        release's rules first), key their positions by the items' hashes for the KV bookkeeping (two
+        different images never share KV), and, for a RoPE-input text MXQ, compute the prompt's M-RoPE
+        positions. A text-only request gets linear positions.
+
+        Raises:
+            vllm_npu.mblt.vlm.VlmRuleError: a rule of the release broken (the seed's text; the front
+                end refuses the same with HTTP 400 first).
+            vllm_npu.mblt.vlm.VlmInputError: features the vision MXQ cannot take.
+            MbltWorkerError: an item vLLM sent without its grid while its positions are needed.
+        """
+        from vllm_npu.mblt.vlm import feature_items
+        from vllm_npu.mblt.vlm_positions import rope_index
+
+        assert self.vlm is not None and self.vision is not None
+        rel = self.vlm
+        items = feature_items(mm_features, self.vision, computed_tokens=computed)
+        if not items:
+            return
+        encoded = [it for it in items if it.rows is not None]
+        logger.info("MBLT vision: req_id=%s encoded %d item(s); %d covered by prefix-cached KV", st.req_id,
+                    len(encoded), len(items) - len(encoded))
+        if encoded:
+            st.mm_pos = np.concatenate([it.positions for it in encoded])
+            st.mm_rows = np.concatenate([it.rows for it in encoded], axis=0)
+            if rel.text.deepstack is not None:
+                st.mm_deep = np.concatenate([it.deepstack for it in encoded], axis=1)
+        st.covered_until = max((it.end for it in items if it.rows is None), default=0)
+        keys = list(st.prompt_ids)
+        for it in items:
+            for p, k in zip(it.positions.tolist(), audio_key_ids(it.identifier, it.positions.size)):
+                keys[p] = k
+        st.key_prompt_ids = keys
+        if rel.text.has_rope:
+            if any(it.grid is None for it in items):
+                raise MbltWorkerError(f"req_id={st.req_id}: vLLM sent an item without its grid; the M-RoPE positions "
+                                      "of a RoPE-input text MXQ need every item's grid")
+            image_ids = {rel.image_token_id, rel.video_token_id}
+            if None in image_ids:
+                raise MbltWorkerError(f"{rel.model_dir}/config.json names no image_token_id / video_token_id")
+            st.mrope, st.mrope_delta = rope_index(
+                st.prompt_ids, image_grid_thw=[it.grid for it in items if it.modality == "image"],
+                video_grid_thw=[it.grid for it in items if it.modality == "video"],
+                image_token_id=int(rel.image_token_id), video_token_id=int(rel.video_token_id),
+                spatial_merge_size=rel.merge_size, family=rel.family)
+
+    def _positions(self, st: _Req | None, start: int, n: int) -> np.ndarray:
+        """M-RoPE positions ``[3, n]`` of ``st``'s tokens ``[start, start + n)``: the prompt's, then
+        ``index + delta`` (linear when the request has no images, or ``st`` is None)."""
+        from vllm_npu.mblt.vlm_positions import decode_positions
+
+        if st is None or st.mrope is None:
+            return decode_positions(start, n, 0)
+        t = st.mrope.shape[1]
+        head = st.mrope[:, start:min(start + n, t)]
+        tail_start = max(start, t)
+        tail = decode_positions(tail_start, max(0, start + n - tail_start), st.mrope_delta)
+        return np.concatenate([head, tail], axis=1)
+
+    def _text_extras(self, st: _Req | None, start: int, n: int) -> tuple[np.ndarray, ...]:
+        """A VLM text MXQ's inputs after the embeddings for ``st``'s tokens ``[start, start + n)``
+        (:func:`vllm_npu.mblt.vlm.text_extras`); ``()`` for any other release."""
+        if self.vlm is None:
+            return ()
+        from vllm_npu.mblt.vlm import deepstack_window, text_extras
+
+        assert self.backend is not None
+        rel = self.vlm
+        rope = rel.rope_rows(self._positions(st, start, n)) if rel.text.has_rope else None
+        deep = None
+        if rel.text.deepstack is not None:
+            deep = deepstack_window(st.mm_pos if st is not None else None, st.mm_deep if st is not None else None,
+                                    start, n, layers=rel.deepstack_layers or 3, hidden=self.backend.hidden_size)
+        return text_extras(rel, rope=rope, deepstack=deep)
+
     def _embeds(self, st: _Req, start: int, piece: list[int]) -> np.ndarray:
         """Input embeddings of ``st``'s ``piece`` (its ``all_ids`` from position ``start``): the
-        token embeddings, with the audio embeddings at the audio positions."""
-        if st.audio_pos is None:
-            return self.embeddings[piece]
+        token embeddings, with the audio / vision embeddings at their positions."""
+        if st.mm_pos is None:
+            if st.key_prompt_ids is None:
+                return self.embeddings[piece]
+            return self.embeddings[st.token_ids(start, start + len(piece))]  # images covered by a snapshot
         n = len(piece)
         x = self.embeddings[st.token_ids(start, start + n)]  # a copy: fancy indexing
-        sel = (st.audio_pos >= start) & (st.audio_pos < start + n)
-        x[st.audio_pos[sel] - start] = st.audio_rows[sel]
+        sel = (st.mm_pos >= start) & (st.mm_pos < start + n)
+        x[st.mm_pos[sel] - start] = st.mm_rows[sel]
         return x
 
     def _resume(self, st: _Req) -> None:
@@ -616,6 +789,8 @@ class MbltWorker(NpuWorker):
             return
         key, snap, matched = match
         ok, reason = self.cost_model.should_load(matched, kv.slot[1])
+        if st.covered_until and matched >= st.covered_until:
+            ok, reason = True, "its images arrived without pixels: vLLM's prefix cache covers them"
         if not ok:
             self.stats["prefix_recomputes"] += 1
             logger.info("MBLT prefix snapshot %s: recompute %d tokens for req_id=%s (%s)", key, matched, st.req_id, reason)
@@ -665,6 +840,11 @@ class MbltWorker(NpuWorker):
             st = self.reqs[rid]
             end = st.num_computed + so.num_scheduled_tokens[rid]
             self._restore_prefix(st, st.num_computed)
+            if st.covered_until > st.kv.length:
+                raise MbltWorkerError(
+                    f"req_id={rid}: vLLM's prefix cache covered its images up to token {st.covered_until} and sent "
+                    f"them without pixels, but no prefix snapshot holds that KV (the worker has {st.kv.length} "
+                    "tokens): raise prefix_cache_max_host_mib, or serve this release with --no-enable-prefix-caching")
             work.append((st, end))
         logits = self._run(work)
 
@@ -750,7 +930,7 @@ class MbltWorker(NpuWorker):
         A request asking for prompt logprobs scores each piece's positions as they come."""
         while pending:
             pieces = [ids[start:start + self._piece_width(st, start)] for _i, st, ids, start in pending]
-            rows = [Row(*st.kv.slot, self._embeds(st, start, piece), start)
+            rows = [Row(*st.kv.slot, self._embeds(st, start, piece), start, self._text_extras(st, start, len(piece)))
                     for (_i, st, _ids, start), piece in zip(pending, pieces)]
             for item, piece, r in zip(pending, pieces, self._infer(rows)):
                 i, st, _ids, start = item

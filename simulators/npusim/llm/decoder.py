@@ -498,13 +498,53 @@ class Decoder:
                                masks=[np.asarray(hidden, dtype=bool)], taps=got, tap_ids=tuple(int(i) for i in taps))
         return logits[0], [got[int(i)] for i in taps]
 
+    def forward_rope(self, embeds: np.ndarray, cache: KVCache, cos: np.ndarray, sin: np.ndarray, *,
+                     layer_adds: Mapping[int, np.ndarray] | None = None) -> np.ndarray:
+        """Like :meth:`forward_embeddings`, with each row's RoPE tables given (M-RoPE of Qwen2-VL /
+        Qwen3-VL: :func:`npusim.llm.mrope.mrope_cos_sin`), causal over the cache and the chunk.
+
+        Args:
+            embeds: ``[T, hidden_size]`` input embeddings, ``T >= 1``.
+            cache: the KV cache; the rows are written at ``[cache.length, cache.length + T)`` and it advances by ``T``.
+            cos, sin: ``[T, head_dim]`` (rounded to the decoder dtype, as transformers does with its tables).
+            layer_adds: ``{layer i: [T, hidden_size]}`` added to the residual stream right after
+                decoder layer ``i`` (Qwen3-VL DeepStack: zero rows for the text positions).
+
+        Returns:
+            logits ``[T, vocab_size]`` float32.
+
+        Raises:
+            ValueError: a shape that differs from the ones above (both named), a layer outside
+                ``0 .. num_hidden_layers - 1``.
+            KVCacheOverflowError: the rows do not fit (nothing is written).
+        """
+        c = self.config
+        x = np.asarray(embeds)
+        if x.ndim != 2 or x.shape[1] != c.hidden_size or x.shape[0] < 1 or x.dtype.kind not in "fiu":
+            raise ValueError(f"expected numeric embeddings of shape [T, {c.hidden_size}] with T >= 1, got shape {x.shape}")
+        t = x.shape[0]
+        for name, table in (("cos", cos), ("sin", sin)):
+            if np.shape(table) != (t, c.head_dim):
+                raise ValueError(f"{name} must have shape [{t}, {c.head_dim}], got {np.shape(table)}")
+        adds: dict[int, np.ndarray] = {}
+        for li, add in (layer_adds or {}).items():
+            if isinstance(li, bool) or not isinstance(li, (int, np.integer)) or not 0 <= li < c.num_hidden_layers:
+                raise ValueError(f"layer_adds key {li!r} is out of range [0, {c.num_hidden_layers})")
+            if np.shape(add) != (t, c.hidden_size):
+                raise ValueError(f"layer_adds[{li}] must have shape [{t}, {c.hidden_size}], got {np.shape(add)}")
+            adds[int(li)] = np.asarray(add).astype(self.dtype).astype(_ACC)
+        rope = (np.asarray(cos).astype(self.dtype).astype(_ACC), np.asarray(sin).astype(self.dtype).astype(_ACC))
+        return self._forward([x.astype(self.dtype, copy=False)], [cache], rope=rope, layer_adds=adds or None)[0]
+
     def _forward(self, xs: list[np.ndarray], caches: list[KVCache], *, rope: tuple[np.ndarray, np.ndarray] | None = None,
                  masks: list[np.ndarray] | None = None, taps: dict[int, np.ndarray] | None = None,
-                 tap_ids: tuple[int, ...] = ()) -> list[np.ndarray]:
+                 tap_ids: tuple[int, ...] = (), layer_adds: Mapping[int, np.ndarray] | None = None) -> list[np.ndarray]:
         """Run the flattened chunks ``xs`` (embeddings, not yet multiplied) against their caches.
 
         ``rope``/``masks`` replace the tables and causal masks derived from the cache lengths;
-        ``taps`` receives the residual stream entering each layer of ``tap_ids`` (float32).
+        ``taps`` receives the residual stream entering each layer of ``tap_ids`` (float32);
+        ``layer_adds[i]`` (``[sum T, hidden]``, decoder-dtype values) is added to the residual
+        stream right after layer ``i`` (Qwen3-VL DeepStack), the sum rounded to the dtype.
         """
         if not xs:
             return []
@@ -533,6 +573,8 @@ class Decoder:
             h = self._residual_add(h, self._attention(li, L, x, cos, sin, segments, masks=masks), L["pn1"])
             x = h if L["ln2"] is None else _rms_norm(h, L["ln2"], eps, dt)
             h = self._residual_add(h, self._mlp(li, L, x), L["pn2"])
+            if layer_adds is not None and li in layer_adds:
+                h = (h.astype(_ACC) + layer_adds[li]).astype(dt)
         if len(self._layers) in tap_ids and taps is not None:
             taps[len(self._layers)] = h.astype(np.float32)
         h = _rms_norm(h, self._final_norm, eps, dt)

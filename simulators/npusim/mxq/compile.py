@@ -10,7 +10,8 @@ Output directory::
 A qwen3_moe checkpoint becomes a Mixture-of-Experts release instead (:mod:`npusim.mxq.compile_moe`);
 with ``eagle3`` options, a base and its EAGLE-3 draft become an EAGLE-3 release
 (:mod:`npusim.mxq.compile_eagle3`); a qwen3_asr checkpoint becomes a Qwen3-ASR release
-(:mod:`npusim.mxq.compile_asr`).
+(:mod:`npusim.mxq.compile_asr`); a qwen2_vl / qwen3_vl checkpoint becomes a Qwen2-VL / Qwen3-VL
+release (:mod:`npusim.mxq.compile_vlm`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ NOT_BUILT_RELEASES: dict[str, str] = {}
 MOE_TYPES: tuple[str, ...] = ("qwen3_moe",)
 #: Model types written as a Qwen3-ASR (speech-to-text) release (:mod:`npusim.mxq.compile_asr`).
 ASR_TYPES: tuple[str, ...] = ("qwen3_asr",)
+#: Model types written as a Qwen2-VL / Qwen3-VL (vision-language) release (:mod:`npusim.mxq.compile_vlm`).
+VLM_TYPES: tuple[str, ...] = ("qwen2_vl", "qwen3_vl")
 COPIED_FILES: tuple[str, ...] = (
     "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
     "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json",
@@ -142,6 +145,7 @@ def compile_artifact(
     hub_proxy: bool = False,
     moe: Mapping[str, Any] | None = None,
     eagle3: Mapping[str, Any] | None = None,
+    vlm: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write an MXQ artifact directory for the HF checkpoint in ``hf_dir``.
 
@@ -150,6 +154,13 @@ def compile_artifact(
     ``max_cache_size``, ``max_width``, ``core_mode``, ``prefill_chunk_size``, ``output_logits``,
     ``memory_flexible`` and ``hub_proxy`` apply; ``max_batch_size`` must stay 1 (the release's
     decoder is batch 1 and its config declares no max_batch_size) and ``moe`` must be empty.
+
+    A qwen2_vl / qwen3_vl checkpoint becomes a vision-language release
+    (:func:`npusim.mxq.compile_vlm.compile_vlm_release`: ``vision.mxq`` + ``text.mxq``, given
+    ``vlm``'s keyword arguments: ``vision``, ``text_layout``, ``vision_layout``,
+    ``vision_output_order``, ``vision_max_patches``); ``max_batch_size``, ``max_cache_size``,
+    ``max_width``, ``core_mode``, ``prefill_chunk_size``, ``output_logits``, ``memory_flexible``
+    and ``hub_proxy`` apply; ``moe`` must stay off.
 
     A qwen3_moe checkpoint becomes a Mixture-of-Experts release
     (:func:`npusim.mxq.compile_moe.compile_moe_release`, given ``moe``'s keyword arguments):
@@ -185,6 +196,8 @@ def compile_artifact(
             ``max_width``, ``prefill_chunk_size``, ``max_batch_size`` and ``hub_proxy`` are passed
             through; ``core_mode``, ``output_logits`` and ``memory_flexible`` must keep their
             defaults). None: a checkpoint with a draft directory compiles as its plain base.
+        vlm: options of a Qwen2-VL / Qwen3-VL release (above); any given for another model type
+            raises ValueError.
         hub_proxy: also write the Hub releases' remote-code entry: ``auto_map`` in config.json
             and ``proxy_<family>.py`` re-exporting transformers-mblt's classes, so
             ``--trust-remote-code`` resolves the Mobilint model type in an environment that has
@@ -222,6 +235,19 @@ def compile_artifact(
         return compile_eagle3_release(src, out, max_cache_size=max_cache_size, max_width=max_width,
                                       prefill_chunk_size=prefill_chunk_size, max_batch_size=k, hub_proxy=hub_proxy,
                                       **dict(eagle3))
+    if raw.get("model_type") in VLM_TYPES:
+        if moe:
+            raise ValueError(f"Mixture-of-Experts options {sorted(moe)} do not apply to a {raw['model_type']} "
+                             "checkpoint: it has no experts")
+        from .compile_vlm import compile_vlm_release
+
+        return compile_vlm_release(src, out, max_batch_size=k, max_cache_size=max_cache_size, max_width=max_width,
+                                   core_mode=core_mode, prefill_chunk_size=prefill_chunk_size,
+                                   output_logits=output_logits, memory_flexible=memory_flexible, hub_proxy=hub_proxy,
+                                   **dict(vlm or {}))
+    if vlm:
+        raise ValueError(f"vision-language options {sorted(vlm)} given for model_type {raw.get('model_type')!r}, "
+                         f"which is not one of {', '.join(VLM_TYPES)}")
     if raw.get("model_type") in NOT_BUILT_RELEASES:
         raise NotImplementedError(NOT_BUILT_RELEASES[raw["model_type"]])
     if raw.get("model_type") in ASR_TYPES:

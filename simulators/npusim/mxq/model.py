@@ -3,8 +3,9 @@
 The artifact (:mod:`npusim.mxq.mxqfile`) carries a Llama/Qwen2/Qwen3 config and its weights; the
 Model builds a float32 :class:`npusim.llm.Decoder` from them. The other MXQ kinds (header
 ``kind``, FORMAT.md) compute with their golden pieces: the MoE parts (:mod:`npusim.llm.moe_parts`),
-the EAGLE-3 kinds (:mod:`npusim.mxq.eagle3_kinds`) and the Qwen3-ASR audio encoder
-(:mod:`npusim.mxq.asr_kinds`, no KV). KV memory: one region per cache id (K = ``max_batch_size``
+the EAGLE-3 kinds (:mod:`npusim.mxq.eagle3_kinds`), the Qwen3-ASR audio encoder
+(:mod:`npusim.mxq.asr_kinds`, no KV) and the Qwen2-VL / Qwen3-VL vision encoders and text layouts
+(:mod:`npusim.mxq.vlm_kinds`; the text decoders are ``decoder`` MXQs with a ``vlm_text_layout``). KV memory: one region per cache id (K = ``max_batch_size``
 of the artifact), each ``T = max_cache_size`` tokens, allocated on first use after ``launch``.
 
 KV semantics: an infer item with ``cache_size = c`` and ``n`` tokens writes positions
@@ -47,6 +48,8 @@ from .advanced import AdvancedModelApi, Scale
 from .npu_data import NPUData
 from .eagle3_kinds import EAGLE3_INPUTS, EAGLE3_KINDS, EAGLE3_OUTPUTS, Eagle3InputError, Eagle3Part
 from .asr_kinds import ASR_INPUTS, ASR_KINDS, ASR_OUTPUTS, AudioEncoderPart
+from .vlm_kinds import (VLM_VISION_KINDS, VLM_VISION_OUTPUTS, VlmHeaderError, VlmTextPart, VlmVisionPart,
+                        check_vlm_header, vlm_num_inputs)
 from .types import BatchParam, BufferInfo, CacheInfo, CacheType, Cluster, CoreId, CoreMode, DataType
 
 __all__ = ["Model", "ModelVariantHandle", "get_model_summary", "load"]
@@ -57,7 +60,7 @@ CORE_MODE_NAMES: dict[str, CoreMode] = {
 #: MXQ kinds (header ``kind``; FORMAT.md) and the names of their outputs, in the default order.
 KIND_OUTPUTS: dict[str, tuple[str, ...]] = {
     "decoder": ("logits",), "moe_shared": ("residual", "expert_in", "gate"), "moe_expert": ("hidden",),
-    "lm_head": ("logits",), **EAGLE3_OUTPUTS, **ASR_OUTPUTS,
+    "lm_head": ("logits",), **EAGLE3_OUTPUTS, **ASR_OUTPUTS, **VLM_VISION_OUTPUTS,
 }
 MXQ_KINDS: tuple[str, ...] = tuple(KIND_OUTPUTS)
 _ids = itertools.count(1)
@@ -125,19 +128,26 @@ class Model(AdvancedModelApi):
             header, tensors = read_mxq(path)
             self._header = _check_header(header)
             self._kind: str = header.get("kind", "decoder")
-            # an audio encoder's llm_config is its audio config, which is no decoder config
-            cfg = None if self._kind in ASR_KINDS else LlmConfig.from_dict(header["llm_config"])
+            # an audio or vision encoder's llm_config is its tower's config, which is no decoder config
+            cfg = (None if self._kind in ASR_KINDS or self._kind in VLM_VISION_KINDS
+                   else LlmConfig.from_dict(header["llm_config"]))
             self._decoder: Decoder | None = None
             self._part: DecoderPart | None = None
             self._e3: Eagle3Part | None = None
             self._audio: AudioEncoderPart | None = None
+            self._vision: VlmVisionPart | None = None
+            self._vlm_text: VlmTextPart | None = None
             if self._kind in ASR_KINDS:
                 self._audio = AudioEncoderPart(header["llm_config"], tensors, source=self._path)
+            elif self._kind in VLM_VISION_KINDS:
+                self._vision = VlmVisionPart(self._kind, header, tensors, source=self._path)
             elif self._kind in EAGLE3_KINDS:
                 self._e3 = Eagle3Part(self._kind, header["llm_config"], tensors, taps=header.get("eagle3_taps"),
                                       source=self._path)
             elif self._kind == "decoder":
                 self._decoder = Decoder(cfg, tensors, np.float32, source=self._path)
+                if "vlm_text_layout" in header:
+                    self._vlm_text = VlmTextPart(header, self._decoder)
             else:
                 self._part = DecoderPart(cfg, tensors, self._kind, layer=header.get("layer"),
                                          expert=header.get("expert"), source=self._path)
@@ -146,9 +156,10 @@ class Model(AdvancedModelApi):
             sys.stderr.write(f"Unable to load; {exc}\n")
             sys.stderr.flush()
             raise fail("Model_FailedToLoadMXQ", "Failed to load model.", "model_impl.cc:1219") from None
-        self._cfg = cfg  # None for an audio encoder
-        self._outputs: list[str] = list(header.get("outputs", KIND_OUTPUTS[self._kind]))
-        self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0] * _num_inputs(self._kind))]
+        self._cfg = cfg  # None for an audio or vision encoder
+        self._outputs: list[str] = (list(self._vision.output_names) if self._vision is not None
+                                    else list(header.get("outputs", KIND_OUTPUTS[self._kind])))
+        self._in_scales: list[float] = [float(v) for v in header.get("input_scales", [1.0] * _num_inputs(self._kind, header))]
         self._out_scales: list[float] = [float(v) for v in header.get("output_scales", [1.0] * len(self._outputs))]
         self._last_only = bool(header.get("last_only", False))
         #: an MoE MXQ whose outputs have one token row whatever its input (last-only shared, lm_head)
@@ -315,9 +326,15 @@ class Model(AdvancedModelApi):
     def get_model_input_shape(self) -> list[tuple[int, ...]]:
         """``[(1, -1, hidden)]``: -1 is the dynamic token axis (``(1, 1, hidden)`` for an lm_head MXQ).
         EAGLE-3 MXQs: one shape per input, ``-1`` also for the mask's ``cache_size + T`` channels.
-        Audio encoders: their fixed window, ``[(1, num_mel_bins, 100)]``."""
+        Audio encoders: their fixed window, ``[(1, num_mel_bins, 100)]``. VLM MXQs
+        (:mod:`npusim.mxq.vlm_kinds`): one shape per input, whose last-axis widths identify the
+        slots as transformers-mblt reads them (``-1`` a runtime axis)."""
         if self._audio is not None:
             return [self._audio.input_shape()]
+        if self._vision is not None:
+            return self._vision.input_shapes()
+        if self._vlm_text is not None:
+            return self._vlm_text.input_shapes()
         if self._e3 is not None:
             return [(1, -1, c) for c in self._e3.input_channels()]
         return [(1, 1 if self._kind == "lm_head" else -1, self._cfg.hidden_size)]
@@ -326,9 +343,12 @@ class Model(AdvancedModelApi):
         """Decoder MXQs: ``[(1, 1, vocab)]`` for last-logit non-batch artifacts, else
         ``[(1, -1, vocab)]``. MoE MXQs: one shape per output (``-1`` the dynamic token axis, 1 on
         a last-only shared MXQ; channels ``hidden``, ``num_experts`` for the router gate, ``vocab``
-        for the lm_head). Audio encoders: ``[(output_dim, 1, 13)]``."""
+        for the lm_head). Audio encoders: ``[(output_dim, 1, 13)]``. Vision encoders: one
+        ``(1, N/m², H)`` per output (``-1`` rows for a dynamic layout)."""
         if self._audio is not None:
             return [self._audio.output_shape()]
+        if self._vision is not None:
+            return self._vision.output_shapes()
         if self._kind == "decoder":
             rows = 1 if (not self._all_logits and self.K == 1) else -1
             return [(1, rows, self._cfg.vocab_size)]
@@ -346,6 +366,13 @@ class Model(AdvancedModelApi):
         t = self.T if self._infos else 0
         if self._audio is not None:
             return [_buffer_info(*self._audio.input_shape(), 0)]
+        if self._vision is not None:  # the widest input of each slot: W patches
+            return [_buffer_info(*(self.W if d == -1 else d for d in shape), 0) for shape in self._vision.input_shapes()]
+        if self._vlm_text is not None:
+            shapes = self._vlm_text.input_shapes()
+            if self.K > 1:  # a batch build fuses its inputs into one buffer (transformers-mblt's comment)
+                shapes = shapes[:1]
+            return [_buffer_info(s[0], self.W, s[2], t) for s in shapes]
         if self._e3 is not None:  # one per input; the mask's channels at their widest
             return [_buffer_info(1, self.W, self.T + self.W if c == -1 else c, t) for c in self._e3.input_channels()]
         return [_buffer_info(1, self.W, self._cfg.hidden_size, t)]
@@ -355,6 +382,9 @@ class Model(AdvancedModelApi):
         W per output, 1 when last-only)."""
         if self._audio is not None:
             return [_buffer_info(*self._audio.output_shape(), 0)]
+        if self._vision is not None:
+            return [_buffer_info(*(self.W // self._vision.merge ** 2 if d == -1 else d for d in shape), 0)
+                    for shape in self._vision.output_shapes()]
         if self._kind != "decoder":
             rows = 1 if self._one_row else self.W
             return [_buffer_info(1, rows, self._channels(n), 0) for n in self._outputs]
@@ -466,6 +496,10 @@ class Model(AdvancedModelApi):
         acc = self._launched()
         if self._audio is not None:
             results = self._infer_audio(acc, inputs, cache_size, params)
+        elif self._vision is not None:
+            results = self._infer_vision(acc, inputs, cache_size, params)
+        elif self._vlm_text is not None:
+            results = self._infer_vlm_text(acc, inputs, cache_size, params)
         elif self._e3 is not None:
             results = self._infer_eagle3(acc, inputs, cache_size, params)
         else:
@@ -548,18 +582,90 @@ class Model(AdvancedModelApi):
         assert part is not None
         arrs = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
         mel, rank = part.check(arrs)
-        if params is not None:
-            raise fail("Model_InvalidBatchParam", f"This MXQ ({self._kind}) has max batch size 1 and takes no "
-                       "BatchParam.", "model.cc:436")
-        if not _is_int(cache_size) or cache_size < 0:
-            raise ValueError(f"cache_size {cache_size!r} must be an integer >= 0")
-        _raise_injected_fault()
+        self._check_encoder_call(cache_size, params)
         wall = time.perf_counter()
         with np.errstate(invalid="ignore", over="ignore"):
             out = part.run(mel, rank)
         machine.note_infer_ok()
         self._account_infer(acc, part.tokens, wall)
         return [out]
+
+    def _check_encoder_call(self, cache_size: int, params: Sequence[BatchParam] | None) -> None:
+        """The checks of an encoder MXQ's ``infer`` (no KV, batch 1), then the injected fault.
+
+        Raises:
+            QbRuntimeError: ``Model_InvalidBatchParam`` (params given); the injected ``infer_fail_*`` fault.
+            ValueError: ``cache_size`` not an integer >= 0.
+        """
+        if params is not None:
+            raise fail("Model_InvalidBatchParam", f"This MXQ ({self._kind}) has max batch size 1 and takes no "
+                       "BatchParam.", "model.cc:436")
+        if not _is_int(cache_size) or cache_size < 0:
+            raise ValueError(f"cache_size {cache_size!r} must be an integer >= 0")
+        _raise_injected_fault()
+
+    def _infer_vision(self, acc: Accelerator, inputs: Any, cache_size: int,
+                      params: Sequence[BatchParam] | None) -> list[np.ndarray]:
+        """``infer`` of a Qwen2-VL / Qwen3-VL vision MXQ (:mod:`npusim.mxq.vlm_kinds`): the layout's
+        inputs in, ``(1, N/m², H)`` per output (``(B, N/m², H)`` for ``B`` stacked items) out, in the
+        MXQ's output order. ``cache_size`` is checked (an int >= 0) and ignored: no KV. Paced as N
+        patches (per item) of the vision kind.
+
+        Raises:
+            ValueError: the wrong number of inputs; ``VlmInputError`` (a ValueError starting with
+                qbruntime's ``Input shape is invalid.``) for a shape outside the layout, or a
+                dynamic patch count outside ``[m², max_width]``; a negative cache_size.
+            QbRuntimeError: ``Model_InvalidBatchParam`` (params given: the MXQ takes no BatchParam);
+                the injected ``infer_fail_*`` fault.
+        """
+        part = self._vision
+        assert part is not None
+        arrs = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        xs, batch = part.check(arrs)
+        self._check_encoder_call(cache_size, params)
+        wall = time.perf_counter()
+        with np.errstate(invalid="ignore", over="ignore"):
+            outs = part.run(xs, batch)
+        machine.note_infer_ok()
+        self._account_infer(acc, part.patches_per_item(xs) * xs[0].shape[0], wall)
+        return outs
+
+    def _infer_vlm_text(self, acc: Accelerator, inputs: Any, cache_size: int,
+                        params: Sequence[BatchParam] | None) -> list[np.ndarray]:
+        """``infer`` of a VLM text decoder (``vlm_text_layout``, :mod:`npusim.mxq.vlm_kinds`): each
+        item's rows are computed by ``Decoder.forward_rope`` on its cache id (RoPE from the host's
+        packed rows, or from the cache position on all three M-RoPE rows for a static layout;
+        DeepStack rows added after layers 0..L-1). Every check runs before any KV is written.
+
+        Returns:
+            ``[logits]``: one row per item (``output_logits`` "last") or per token ("all"), rank of
+            ``inputs_embeds`` (``(1, 1, rows, vocab)`` or ``(1, rows, vocab)``).
+
+        Raises:
+            ValueError: the wrong number of inputs; ``VlmInputError`` (a ValueError, ``Input shape
+                is invalid.``) naming the input; a negative cache_size.
+            QbRuntimeError: as :meth:`infer` (``Model_ShapeMismatched``, ``Model_CacheOverflow``,
+                ``Model_InvalidBatchParam``, the injected fault).
+        """
+        part = self._vlm_text
+        assert part is not None
+        arrs = [inputs] if isinstance(inputs, np.ndarray) else list(inputs)
+        xs, rank = part.check(arrs)
+        total = xs[0].shape[0]
+        items = self._items(total, cache_size, params)
+        _raise_injected_fault()
+        wall = time.perf_counter()
+        rows, pos = [], 0
+        with np.errstate(invalid="ignore", over="ignore"):
+            for cid, cs, n in items:
+                c = self._cache(cid)
+                c.length = cs  # rewind/skip: the next write lands at cache_size
+                logits = part.run_item(xs, pos, pos + n, c)
+                rows.append(logits if self._all_logits else logits[-1:])
+                pos += n
+        machine.note_infer_ok()
+        self._account_infer(acc, total, wall)
+        return _with_rank([np.concatenate(rows).astype(np.float32)], rank)
 
     def _compute(self, x: np.ndarray, cache_size: int, params: Sequence[BatchParam] | None) -> list[np.ndarray]:
         """Check, then run the MXQ on the ``[S, hidden]`` tokens ``x``: one float32 ``[rows, C]`` per output.
@@ -608,9 +714,9 @@ class Model(AdvancedModelApi):
 
     def _acquire(self, side: str, shape: Sequence[int], idx: int, upload: bool, dtype: Any) -> NPUData:
         acc = self._launched()
-        if self._cfg is None:
+        if self._cfg is None or self._vlm_text is not None:
             raise fail("NotImplemented", f"acquire_{side}_npu_data is not simulated for {self._kind} MXQs (the "
-                       "Qwen3-ASR path calls infer).", "model.cc:720")
+                       "Qwen3-ASR and Qwen2/3-VL paths call infer).", "model.cc:720")
         scale = self._io(side, idx)
         dims = [int(d) for d in shape]
         channels = self._cfg.hidden_size if side == "input" else self._channels(self._outputs[idx])
@@ -657,9 +763,9 @@ class Model(AdvancedModelApi):
                 buffer whose shape is not the result's (both named).
         """
         acc = self._launched()
-        if self._e3 is not None or self._audio is not None:
-            raise fail("NotImplemented", f"infer_npu_data is not simulated for {self._kind} MXQs (the EAGLE-3 and "
-                       "Qwen3-ASR paths call infer).", "model.cc:720")
+        if self._e3 is not None or self._audio is not None or self._vision is not None or self._vlm_text is not None:
+            raise fail("NotImplemented", f"infer_npu_data is not simulated for {self._kind} MXQs (the EAGLE-3, "
+                       "Qwen3-ASR and Qwen2/3-VL paths call infer).", "model.cc:720")
         ins = list(inputs)
         outs = None if outputs is None else list(outputs)
         if len(ins) != len(self._in_scales):
@@ -863,8 +969,12 @@ def _with_rank(rows: list[np.ndarray], rank: int) -> list[np.ndarray]:
     return [r.reshape((1, 1) + r.shape if rank == 4 else (1,) + r.shape) for r in rows]
 
 
-def _num_inputs(kind: str) -> int:
-    """How many inputs an MXQ of ``kind`` takes (1 but for the EAGLE-3 kinds)."""
+def _num_inputs(kind: str, header: dict[str, Any] | None = None) -> int:
+    """How many inputs an MXQ of ``kind`` takes (1 but for the EAGLE-3 kinds and the VLM layouts
+    of ``header``)."""
+    vlm = vlm_num_inputs(kind, header or {})
+    if vlm is not None:
+        return vlm
     return len({**EAGLE3_INPUTS, **ASR_INPUTS}.get(kind, ("x",)))
 
 
@@ -883,10 +993,14 @@ def _check_header(h: dict[str, Any]) -> dict[str, Any]:
     kind = h.get("kind", "decoder")
     if kind not in MXQ_KINDS:
         raise MxqFormatError(f"MXQ header kind={kind!r} must be one of {', '.join(MXQ_KINDS)}.")
+    try:
+        check_vlm_header(h, kind)
+    except VlmHeaderError as exc:
+        raise MxqFormatError(str(exc)) from None
     outputs = h.get("outputs", list(KIND_OUTPUTS[kind]))
     if not isinstance(outputs, list) or sorted(outputs) != sorted(KIND_OUTPUTS[kind]):
         raise MxqFormatError(f"MXQ header outputs={outputs!r} must be an ordering of {list(KIND_OUTPUTS[kind])} for kind {kind!r}.")
-    for key, n in (("input_scales", _num_inputs(kind)), ("output_scales", len(outputs))):
+    for key, n in (("input_scales", _num_inputs(kind, h)), ("output_scales", len(outputs))):
         v = h.get(key, [1.0] * n)
         if (not isinstance(v, list) or len(v) != n
                 or any(isinstance(x, bool) or not isinstance(x, (int, float)) or not x > 0 for x in v)):
@@ -924,7 +1038,11 @@ def get_model_summary(mxq_path: str | os.PathLike) -> str:
     """
     m = Model(mxq_path, _summary_only=True)  # a summary reads the file, whatever its core modes
     c = m._cfg
-    if c is None:
+    if m._vision is not None:
+        v = m._vision
+        what = (f"  kind: {m._kind}, layout: {v.layout}, grid: {list(v.grid) if v.grid else 'dynamic'}, "
+                f"vision hidden: {v.vision_hidden}, out hidden: {v.out_hidden}")
+    elif c is None:
         a = m._header["llm_config"]
         what = (f"  kind: {m._kind}, mel bins: {a.get('num_mel_bins')}, layers: {a.get('encoder_layers')}, "
                 f"d_model: {a.get('d_model')}, output_dim: {a.get('output_dim')}")
