@@ -43,13 +43,16 @@ ASR_RELEASE_ENV = "NPU_HARNESS_MBLT_ASR_RELEASE"
 #: On ``mblt-hw``: the release directory of each vision-language build the ``vlm_*`` scenarios use,
 #: ``NPU_HARNESS_MBLT_VLM_RELEASE_<KIND>`` with KIND one of :data:`VLM_RELEASES` upper-cased.
 VLM_RELEASE_ENV = "NPU_HARNESS_MBLT_VLM_RELEASE_"
-#: The vision-language builds the scenarios serve: the tiny family and ``mxq compile``'s ``vlm``
-#: options that make the simulated one (the shipped kinds: static Qwen2-VL-2B, static Qwen3-VL-2B
-#: W8 (bundled, no RoPE input), dynamic Qwen3-VL-8B W8 (bundled, RoPE input)).
-VLM_RELEASES: dict[str, tuple[str, dict[str, Any]]] = {
-    "qwen2_vl": ("qwen2_vl", {"vision": "static"}),
-    "qwen3_vl": ("qwen3_vl", {"vision": "static", "text_layout": "bundled"}),
-    "qwen3_vl_dynamic": ("qwen3_vl", {"vision": "dynamic", "text_layout": "bundled"}),
+#: The vision-language builds the scenarios serve: the tiny family, ``mxq compile``'s ``vlm``
+#: options and its other options that make the simulated one (the shipped kinds: static
+#: Qwen2-VL-2B, static Qwen3-VL-2B W8 (bundled, no RoPE input), dynamic Qwen3-VL-8B W8 (bundled,
+#: RoPE input), and a Batch16-style dynamic Qwen3-VL (batch text MXQ, 4 cache ids here)).
+VLM_RELEASES: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
+    "qwen2_vl": ("qwen2_vl", {"vision": "static"}, {}),
+    "qwen3_vl": ("qwen3_vl", {"vision": "static", "text_layout": "bundled"}, {}),
+    "qwen3_vl_dynamic": ("qwen3_vl", {"vision": "dynamic", "text_layout": "bundled"}, {}),
+    "qwen3_vl_batch": ("qwen3_vl", {"vision": "dynamic", "text_layout": "bundled"},
+                       {"max_batch_size": 4, "prefill_chunk_size": 64}),
 }
 #: Cards the simulated MoE release is placed on (the release's default placement: 3).
 MOE_DEVICES = 3
@@ -357,7 +360,7 @@ class MbltLab(DeviceLab):
             KeyError: ``kind`` is not one of :data:`VLM_RELEASES`.
             ArtifactUnavailable: on hardware, the variable is not set.
         """
-        family, options = VLM_RELEASES[kind]
+        family, options, compile_options = VLM_RELEASES[kind]
         if kind not in self._vlm:
             if self.simulated:
                 from npusim.mxq.compile import compile_artifact
@@ -366,7 +369,8 @@ class MbltLab(DeviceLab):
                 hf = self.workdir / f"tiny-{family}"
                 if not (hf / "config.json").is_file():
                     (build_qwen2_vl if family == "qwen2_vl" else build_qwen3_vl)(hf)
-                self._vlm[kind] = compile_artifact(hf, self.workdir / f"{kind}-release", vlm=dict(options))
+                self._vlm[kind] = compile_artifact(hf, self.workdir / f"{kind}-release", hub_proxy=self.hub_proxy,
+                                                   vlm=dict(options), **compile_options)
             else:
                 var = VLM_RELEASE_ENV + kind.upper()
                 raw = os.environ.get(var, "")

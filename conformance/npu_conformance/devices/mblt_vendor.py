@@ -72,22 +72,10 @@ class VllmMbltLab(MbltLab):
         return self.vendor.vllm_command()
 
     def vlm_release(self, kind: str) -> Path:
-        """As :meth:`MbltLab.vlm_release`, the simulated release compiled with ``hub_proxy``
-        (``auto_map``, ``proxy_qwen2_vl.py`` / ``proxy_qwen3_vl.py`` and ``text_config.architectures``,
-        as the Hub releases carry) and named ``Qwen2TokenizerFast`` (:meth:`_hub_release`)."""
-        if self.simulated and kind not in self._vlm:
-            from npusim.mxq.compile import compile_artifact
-            from npusim.tinymodel.vlm import build_qwen2_vl, build_qwen3_vl
-
-            from npu_conformance.devices.mblt import VLM_RELEASES
-
-            family, options = VLM_RELEASES[kind]
-            hf = self.workdir / f"tiny-{family}"
-            if not (hf / "config.json").is_file():
-                (build_qwen2_vl if family == "qwen2_vl" else build_qwen3_vl)(hf)
-            self._vlm[kind] = self._hub_release(compile_artifact(hf, self.workdir / f"{kind}-release",
-                                                                 hub_proxy=True, vlm=dict(options)))
-        return super().vlm_release(kind)
+        """As :meth:`MbltLab.vlm_release` (compiled with ``hub_proxy``: ``auto_map``,
+        ``proxy_qwen2_vl.py`` / ``proxy_qwen3_vl.py`` and ``text_config.architectures``, as the Hub
+        releases carry), named ``Qwen2TokenizerFast`` (:meth:`_hub_release`)."""
+        return self._hub_release(super().vlm_release(kind))
 
     def _hub_release(self, release: Path) -> Path:
         """A Qwen2-VL / Qwen3-VL release this lab compiled, as the Hub's: with the remote-code entry

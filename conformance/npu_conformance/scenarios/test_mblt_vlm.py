@@ -42,7 +42,8 @@ pytestmark = pytest.mark.scenario(devices=("mblt",))
 
 VLM_ARGS = ["--max-model-len", "2048"]
 #: The images each release's scenarios send (tiny test images whose sizes need no resize).
-IMAGES = {"qwen2_vl": ("sunset", "dots"), "qwen3_vl": ("sunset", "dots"), "qwen3_vl_dynamic": ("checker", "stripes")}
+IMAGES = {"qwen2_vl": ("sunset", "dots"), "qwen3_vl": ("sunset", "dots"), "qwen3_vl_dynamic": ("checker", "stripes"),
+          "qwen3_vl_batch": ("checker", "stripes")}
 
 
 def _lab(device_labs, target):
@@ -173,11 +174,12 @@ def _answer(res) -> tuple[list[int], list[int], str]:
     return list(res.body["prompt_token_ids"]), list(choice["token_ids"]), choice["message"]["content"]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "qwen3_vl_dynamic"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "qwen3_vl_dynamic", "qwen3_vl_batch"])
 def test_vlm_greedy(target, record, device_labs, kind):
     """A chat turn with an image: the prompt ids are the template's with the image pads expanded,
     and the answer is the golden pipeline's greedy tokens (dynamic Qwen3-VL: two images too);
-    streaming gives the same text; two images sent concurrently each equal their solo answer."""
+    streaming gives the same text; two images sent concurrently each equal their solo answer (on
+    the batch release, decoded together in one batch infer)."""
     case = _vlm(device_labs, target, kind)
     server = case.server()
     answers = {}
