@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import sys
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -23,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+
+from _tmblt_alias import transformers_mblt_on_simulator
 
 torch = pytest.importorskip("torch")
 if importlib.util.find_spec("transformers_mblt") is None or importlib.util.find_spec("mblt_npu") is None:
@@ -37,28 +38,9 @@ NEW = 8
 def qbruntime() -> Iterator[Any]:
     """``import qbruntime`` on the simulator for this module only, and transformers-mblt's
     architectures registered. Afterwards the alias and the modules bound to it are removed."""
-    from npusim import alias
-
-    assert alias.status("qbruntime").state != "real", "a real qbruntime is installed: this module tests the alias"
-    alias.activate("qbruntime")
-    import qbruntime as mod
-
-    import npusim.mxq
-
-    assert mod is npusim.mxq, "the alias must bind the simulator module itself"
-    import transformers_mblt
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # Qwen3-ASR needs the optional qwen-asr extra
-        registered = transformers_mblt.register()
-    assert {"llama", "qwen2", "qwen3", "exaone4"} <= set(registered)
-    yield mod
-    from npusim.mxq import machine
-
-    machine.reset()
-    alias.deactivate("qbruntime")
-    for name in [n for n in sys.modules if n.split(".")[0] in ("qbruntime", "transformers_mblt", "mblt_npu")]:
-        del sys.modules[name]
+    with transformers_mblt_on_simulator() as (mod, registered):
+        assert {"llama", "qwen2", "qwen3", "exaone4"} <= set(registered)
+        yield mod
 
 
 @pytest.fixture

@@ -25,13 +25,14 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import sys
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+
+from _tmblt_alias import transformers_mblt_on_simulator
 
 torch = pytest.importorskip("torch")
 if importlib.util.find_spec("transformers_mblt") is None or importlib.util.find_spec("mblt_npu") is None:
@@ -55,28 +56,9 @@ CLIPS = ("river_snow", "lamp_wind_nine")
 @pytest.fixture(scope="module")
 def qbruntime() -> Iterator[Any]:
     """``import qbruntime`` on the simulator for this module only, transformers-mblt registered."""
-    from npusim import alias
-
-    assert alias.status("qbruntime").state != "real", "a real qbruntime is installed: this module tests the alias"
-    alias.activate("qbruntime")
-    import qbruntime as mod
-
-    import npusim.mxq
-
-    assert mod is npusim.mxq
-    import transformers_mblt
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        registered = transformers_mblt.register()
-    assert "qwen3_asr" in registered
-    yield mod
-    from npusim.mxq import machine
-
-    machine.reset()
-    alias.deactivate("qbruntime")
-    for name in [n for n in sys.modules if n.split(".")[0] in ("qbruntime", "transformers_mblt", "mblt_npu")]:
-        del sys.modules[name]
+    with transformers_mblt_on_simulator() as (mod, registered):
+        assert "qwen3_asr" in registered
+        yield mod
 
 
 @pytest.fixture(scope="module")

@@ -148,41 +148,27 @@ def audio_key_ids(identifier: str, n: int) -> list[int]:
             for i in range(n)]
 
 
-def _load_embeddings(model_dir: str) -> np.ndarray:
-    from safetensors.numpy import load_file
-
-    d = Path(model_dir)
-    searched = ("model.safetensors", "embedding.safetensors")
-    for name in searched:
-        if (d / name).is_file():
-            tensors = load_file(str(d / name))
-            if EMBED_TENSOR in tensors:
-                return np.ascontiguousarray(tensors[EMBED_TENSOR], dtype=np.float32)
-    found = [n for n in searched if (d / n).is_file()]
-    raise MbltWorkerError(
-        f"no {EMBED_TENSOR!r} in {' or '.join(f'{d}/{n}' for n in searched)} "
-        f"({'present: ' + ', '.join(found) if found else 'neither file exists'}): the host-side embedding is missing"
-    )
-
-
-def _load_tensor(model_dir: str, name: str, what: str) -> np.ndarray:
-    """The float32 tensor ``name`` from the release's safetensors files (``model.safetensors`` and
-    ``embedding.safetensors`` first, then the others in name order).
+def _load_embeddings(model_dir: str, name: str = EMBED_TENSOR, what: str = "the host-side embedding") -> np.ndarray:
+    """The float32 host tensor ``name`` (the token embedding unless named otherwise) from the
+    release's ``model.safetensors`` or ``embedding.safetensors``, read alone from the file.
 
     Raises:
-        MbltWorkerError: no file holds it (the files looked at named, and ``what`` it is).
+        MbltWorkerError: neither file holds it (the files named, and ``what`` is missing).
     """
     from safetensors import safe_open
 
     d = Path(model_dir)
-    first = [d / n for n in ("model.safetensors", "embedding.safetensors") if (d / n).is_file()]
-    files = first + sorted(f for f in d.glob("*.safetensors") if f not in first)
-    for f in files:
-        with safe_open(str(f), framework="numpy") as fh:
-            if name in fh.keys():
-                return np.ascontiguousarray(fh.get_tensor(name), dtype=np.float32)
-    raise MbltWorkerError(f"no {name!r} ({what}) in the safetensors files of {d} "
-                          f"({', '.join(f.name for f in files) if files else 'there are none'})")
+    searched = ("model.safetensors", "embedding.safetensors")
+    for fname in searched:
+        if (d / fname).is_file():
+            with safe_open(str(d / fname), framework="numpy") as fh:
+                if name in fh.keys():
+                    return np.ascontiguousarray(fh.get_tensor(name), dtype=np.float32)
+    found = [n for n in searched if (d / n).is_file()]
+    raise MbltWorkerError(
+        f"no {name!r} in {' or '.join(f'{d}/{n}' for n in searched)} "
+        f"({'present: ' + ', '.join(found) if found else 'neither file exists'}): {what} is missing"
+    )
 
 
 def _core_mode_mismatch(runtime: Any, mxq_path: str, core_mode: str) -> str:
@@ -346,7 +332,7 @@ class MbltWorker(NpuWorker):
         dev = vov.dev_no or settings.parse_dev_no(vart.get("dev_no", 0), source=f"{model_dir}/config.json vision")
         pos_embed = None
         if release.family == "qwen3_vl" and release.dynamic:
-            pos_embed = _load_tensor(model_dir, POS_EMBED_TENSOR, "the dynamic Qwen3-VL vision position embedding")
+            pos_embed = _load_embeddings(model_dir, POS_EMBED_TENSOR, "the dynamic Qwen3-VL vision position embedding")
         device = str(vart.get("target_device") or self.artifact.get("target_device", "aries")).split("-")[0] or "aries"
         self.vision = VisionEncoder.create(
             runtime, release, dev_no=dev[0], core_mode=settings.resolve_core_mode(vov, vart) or "single",
@@ -411,7 +397,7 @@ class MbltWorker(NpuWorker):
             if self.vlm is not None:
                 from vllm_npu.mblt.vlm import TEXT_EMBED_TENSOR
 
-                self.embeddings = _load_tensor(model_dir, TEXT_EMBED_TENSOR, "the host-side text embedding")
+                self.embeddings = _load_embeddings(model_dir, TEXT_EMBED_TENSOR)
                 backend.embeds_rank = self.vlm.text.embeds_rank
             else:
                 self.embeddings = _load_embeddings(model_dir)
