@@ -244,6 +244,61 @@ def test_x86_equals_portable_property(m, kb, n, w_exp, a_exp, zero_blocks, outli
 
 
 # ---------------------------------------------------------------------------------------------
+# v16: the .hp roundings as Veltkamp splits, and their guards (src/gemm_x86.c)
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_d16_overflow_in_the_middle_of_a_superblock(m):
+    """An fp16 d16 that overflows in sub-block 2 and would come back below 65504 by sub-block 7:
+    on the .hp instructions it stays inf (inf - x = inf). Every other guard holds (|dot_hi| =
+    1680 <= 2048, |sc| = 1, asum8 = 0), so only v16's overflow bound sends the block to the exact
+    conversions; without it the X86 result would be finite (checked by removing the bound)."""
+    k, n = 256, 64
+    qw = np.full((n, k // 32, 16), 0x0F, np.uint8)  # even K code 15, odd K code 0
+    sc = np.tile(np.array([1, 1, 1, -1, -1, -1, -1, -1], np.float32), (n, 1))
+    sc[32:] *= np.float32(0.01)  # the second tile stays finite
+    a = np.empty((m, k), np.float32)
+    a[:, 0::2], a[:, 1::2] = 1.0, -1.0  # q = +-127 in every sub-block: rel = 1, asum8 = 0
+    c = run_all(a, qw, sc)
+    assert np.isposinf(c[:, :32]).all() and np.isfinite(c[:, 32:]).all()
+
+
+def _asum8_offsets(m: int, k: int, row: int, s: int) -> int:
+    """Byte offset of asum8[0] of (row, superblock s) in quantize_a's output (kernels/ime2 pack.c:
+    4-row groups of 1160 bytes per superblock, lone rows 290)."""
+    s_count = -(-k // 256)
+    grouped = row < m // 4 * 4
+    if grouped:
+        return (row - row % 4) * s_count * 290 + s * 1160 + 1088 + 16 * (row % 4)
+    return row * s_count * 290 + s * 290 + 272
+
+
+@pytest.mark.parametrize("m", [1, 4])
+@pytest.mark.parametrize("asum8", [0.33325, 60000.0], ids=["non-integer", "beyond-2**15"])
+def test_packed_a_from_elsewhere_with_unusual_asum8(m, asum8):
+    """gemm_packed takes any packed A. quantize_a's asum8 are integers of magnitude <= 32768; a
+    non-integer one makes zp_j = fp16(sc * asum8_j) a value off the fp16 subnormal grid (where
+    v16 is not fp16's rounding) and a larger one can overflow zp alone: the per-row asum8 guard
+    sends both to the exact conversions. X86 == portable bit for bit."""
+    rng = np.random.default_rng(17)
+    k, n = 512, 64
+    qw = np.full((n, k // 32, 16), 0x88, np.uint8)  # code 8 everywhere: the dots are the zero point's
+    sc = np.full((n, k // 32), 2.0**-20 if asum8 < 1 else 1.2, np.float32)  # fp16 subnormal d / a large one
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    ap = bytearray(kernel.quantize_a(a))
+    for row in range(m):
+        for s in range(k // 256):
+            off = _asum8_offsets(m, k, row, s)
+            ap[off:off + 16] = np.full(8, asum8, np.float16).tobytes()
+    bp = kernel.pack_b(qw, sc)
+    portable = kernel.gemm_packed(bytes(ap), bp, m, k, n, path="portable")
+    x86 = kernel.gemm_packed(bytes(ap), bp, m, k, n, path="x86")
+    np.testing.assert_array_equal(bits(x86), bits(portable))
+    if asum8 > 1:
+        assert np.isinf(portable).all()  # zp = fp16(1.2 * 60000) = inf
+
+
+# ---------------------------------------------------------------------------------------------
 # the caller's MXCSR
 
 

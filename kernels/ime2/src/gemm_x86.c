@@ -33,6 +33,17 @@
  * VPMADDWD by 1 makes the int32 dot of 8 columns, in column order, with no horizontal reduction.
  * A 4-row group shares the transposed codes.
  *
+ * Speed (issue 12). The .hp steps round to fp16 seven or eight times per row, column and
+ * sub-block; a VCVTPS2PH + VCVTPH2PS pair costs about 1.9 cycles per 8 lanes on AMD Zen 4, as much
+ * as four VPMADDUBSW (benchmarks/x86_throughput.c). Wherever the value rounded is a product of
+ * an integer (dot_hi, fp16(dot_lo), asum8_j) and an fp16 value, or a sum of two fp16 values, the
+ * variants without AVX512-FP16 round it with v16() (three plain fp32 operations, Veltkamp's
+ * split) under an overflow guard; only sc and m4's sc16 (products of two fp16 values) keep the
+ * conversions. A block whose guards do not all hold is rerun with conversions only (exact). The
+ * int dots of a superblock are computed before its fp steps, and a lone row runs a whole 32-column
+ * tile at once (block8: four 8-column groups, block16f: two 16-column groups) so that the fp16
+ * chains through the sub-blocks, one per group, overlap.
+ *
  * Single-threaded and reentrant: a per-call workspace of 4 * ceil(K/256) * sizeof(a_prep) bytes
  * (about 660: the re-laid activations of one row group), plus the cached CPU-feature answers.
  */
@@ -101,6 +112,7 @@ typedef struct {
     float rel16[SUBBLOCKS]; /* fp16(rel_j * 16) */
     float asum8[SUBBLOCKS]; /* fp16 asum8_j of this row */
     float sa;               /* fp16 scale_avg */
+    float asum_max;         /* max_j |asum8_j|; +inf when one is not an integer (see v16()) */
     uint16_t rel_h[SUBBLOCKS], rel16_h[SUBBLOCKS], asum8_h[SUBBLOCKS]; /* the same as fp16 bits */
 } a_prep;
 
@@ -129,6 +141,18 @@ static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s,
         }
     }
     out->sa = f16_to_float(get_f16(sa_p));
+    /* quantize_a's asum8 are integers (8 * a sum of int8); a packed A from elsewhere may hold
+     * anything, and a non-integer (or non-finite) asum8 makes zp_j's rounding one that v16()
+     * does not reproduce: +inf trips the guard, and the block runs the exact conversions */
+    float amax = 0.0f;
+    for (int j = 0; j < SUBBLOCKS; j++) {
+        const float v = out->asum8[j] < 0.0f ? -out->asum8[j] : out->asum8[j];
+        if (!(v <= 65504.0f) || v != (float)(int32_t)v)
+            amax = __builtin_inff();
+        else if (v > amax)
+            amax = v;
+    }
+    out->asum_max = amax;
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -136,6 +160,26 @@ static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s,
 
 /* fp32 -> nearest fp16 (RNE, subnormals, overflow to inf) -> fp32. */
 X86_INLINE __m256 r16(__m256 x) { return _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT)); }
+
+/*
+ * v16(x): the same rounding as r16(x) by three plain fp32 operations instead of two conversions
+ * (Veltkamp's split: c = x * (2**13 + 1), x rounded to 24 - 13 = 11 significant bits =
+ * c - (c - x)): a VCVTPS2PH + VCVTPH2PS pair costs about 1.9 cycles of throughput per 8 lanes on
+ * AMD Zen 4, these three operations about 1.2 (zmm: 3.7 and 2.0; benchmarks/x86_throughput.c). Equal to r16(x) when:
+ *   - |x| < 65520 (beyond, r16 gives inf and v16 a finite value): the caller's overflow guard;
+ *   - |x| >= 2**-14 (fp16 normal: rounding to 11 bits, to nearest even, is fp16's; checked on
+ *     every fp32 value of [2**-14, 65520) by tests/vllm_npu/test_ime2_x86_rounding.py), or x is a
+ *     multiple of 2**-24 (then |x| < 2**-14 has at most 10 significant bits and both leave it
+ *     unchanged). The .hp steps only round such values: the products of an integer (fp16(dot_lo),
+ *     dot_hi, asum8_j) by an fp16 value and the sums of two fp16 values. sc and m4's sc16 (products
+ *     of two fp16 values) keep r16; an asum8_j that is not an integer (a packed A quantize_a did
+ *     not write) sets a_prep.asum_max to inf, which trips the guard.
+ */
+X86_INLINE __m256 v16(__m256 x)
+{
+    const __m256 c = _mm256_mul_ps(x, _mm256_set1_ps(8193.0f));
+    return _mm256_sub_ps(c, _mm256_sub_ps(c, x));
+}
 
 X86_INLINE __m256i load_2x128(const uint8_t *lo, const uint8_t *hi)
 {
@@ -201,25 +245,48 @@ X86_INLINE void dots8(const __m256i even[4], const __m256i odd[4], const a_prep 
 }
 
 /*
- * 8 columns (col8 = first column within tile t) x R rows (R = 4: a row group, the m4 rules;
- * R = 1: a lone row, the m1 rules) over all superblocks; writes the first `ncols` columns of the
- * result. full: the tile is a full 32-column tile (.hp arithmetic), else the scalar tail's.
+ * NG groups of 8 columns (col8 = first column within tile t; group g = columns col8 + 8g ..
+ * col8 + 8g + 7) x R rows (R = 4: a row group, the m4 rules; R = 1: a lone row, the m1 rules) over
+ * all superblocks; writes the first `ncols` of the 8 * NG columns. full: the tile is a full
+ * 32-column tile (.hp arithmetic), else the scalar tail's (NG = 1 there).
  *
- * shortcut = 1 skips the two roundings block16f() skips, under the same guards (|dot_hi| <= 2048;
- * m1: |sc| < 4096), kept as vector masks and tested once at the end: 1 = a lane broke a guard and
- * nothing was stored (the caller reruns with shortcut = 0), 0 = stored.
+ * Why NG groups at once: the d16 accumulation of a .hp step is a chain of dependent fp16
+ * roundings (add, VCVTPS2PH, VCVTPH2PS, twice per sub-block), about 20 cycles of latency per
+ * sub-block. One 8-column group of a lone row (R = 1) is a single such chain and leaves the
+ * vector units idle most of that time; NG = 4 independent chains (the whole 32-column tile)
+ * fill them. A 4-row group already has 4 chains (NG = 1).
+ *
+ * shortcut = 1 takes the cheap roundings block16f() takes, under the same guards (|dot_hi| <= 2048;
+ * m1: |sc| < 4096; the v16() overflow bound below), kept as vector masks and tested once at the
+ * end: 1 = a lane broke a guard and nothing was stored (the caller reruns with shortcut = 0,
+ * conversions only), 0 = stored.
  */
+#define NG_MAX 4
+/*
+ * v16()'s overflow guard, per lane and superblock. Every value the shortcut rounds is bounded:
+ * |fp16(h * sc16)| <= 2048 |sc16| (h = dot_hi, |dot_hi| <= 2048 by its own guard), |fp16(l * sc)|
+ * <= 7200 |sc| (l = fp16(dot_lo), 0 <= dot_lo <= 32 * 15 * 15), each partial sum of d16 by the sum
+ * of the terms so far, and each rounding grows a bound by at most a factor 1 + 2**-11 (16 steps:
+ * < 1.009), so 2048 * sum_j |sc16_j| + 7200 * sum_j |sc_j| < D16_LIMIT keeps all of them below
+ * 65520; |zp_j| <= |sc_j| * max_j |asum8_j| < ZP_LIMIT the same. A NaN or inf anywhere trips it.
+ */
+#define DOT_HI_MAX 2048.0f
+#define DOT_LO_MAX 7200.0f
+#define D16_LIMIT 64800.0f
+#define ZP_LIMIT 64900.0f
 X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col8,
-                      const int R, int full, float *c, int64_t ldc, int ncols, const int shortcut)
+                      const int R, const int NG, int full, float *c, int64_t ldc, int ncols, const int shortcut)
 {
     __m256i bad = _mm256_setzero_si256();
     const __m256 sc_limit = _mm256_set1_ps(4096.0f);
     const __m256i hi_limit = _mm256_set1_epi32(2048);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 acc[ROW_GROUP];
+    __m256 acc[NG_MAX][ROW_GROUP];
     _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++)
-        acc[r] = _mm256_setzero_ps();
+    for (int g = 0; g < NG; g++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++)
+            acc[g][r] = _mm256_setzero_ps();
     const __m256 sixteen = _mm256_set1_ps(16.0f);
     for (int64_t s = 0; s < s_count; s++) {
         const a_prep *ar[ROW_GROUP];
@@ -227,91 +294,150 @@ X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_cou
         for (int r = 0; r < R; r++)
             ar[r] = prep + r * s_count + s;
         const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
-        __m256 d16[ROW_GROUP]; /* fp16 values */
+        __m256 d16[NG_MAX][ROW_GROUP]; /* fp16 values */
+        __m256 sc_sum[NG_MAX], sc16_sum[NG_MAX]; /* sum_j |sc_j|, sum_j |sc16_j| (the overflow guard) */
         _Pragma("GCC unroll 4")
-        for (int r = 0; r < R; r++)
-            d16[r] = _mm256_setzero_ps();
+        for (int g = 0; g < NG; g++) {
+            sc_sum[g] = _mm256_setzero_ps();
+            sc16_sum[g] = _mm256_setzero_ps();
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++)
+                d16[g][r] = _mm256_setzero_ps();
+        }
+        /* the int dots of the whole superblock first (no dependencies between them), then the
+         * fp steps (chains through j): the two kinds of work do not wait for each other */
+        __m256i dots[SUBBLOCKS][NG_MAX][2][ROW_GROUP];
         for (int j = 0; j < SUBBLOCKS; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
-            __m256i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
-            codes8(blk + B_SCALES + (QK / 2) * col8, even, odd);
-            dots8(even, odd, ar, R, j, dhi, dlo);
-            const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * col8)));
-            if (full) {
-                /* a row group shares rel_j: sc and sc16 are the same for its rows */
-                const __m256 sc = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel[j])));
-                __m256 sc16;
-                if (R == ROW_GROUP) {
-                    sc16 = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel16[j]))); /* m4 */
-                } else if (shortcut) {                                             /* m1 */
-                    bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(_mm256_and_ps(sc, abs_mask), sc_limit,
-                                                                                 _CMP_NLT_UQ)));
-                    sc16 = _mm256_mul_ps(sc, sixteen);
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < NG; g++) {
+                __m256i even[4], odd[4];
+                codes8(blk + B_SCALES + (QK / 2) * (col8 + 8 * g), even, odd);
+                dots8(even, odd, ar, R, j, dots[j][g][0], dots[j][g][1]);
+            }
+        }
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            const uint8_t *blk = sup + (size_t)j * B_BLOCK;
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < NG; g++) {
+                const int cg = col8 + 8 * g;
+                const __m256i *dhi = dots[j][g][0], *dlo = dots[j][g][1];
+                const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * cg)));
+                if (full) {
+                    /* a row group shares rel_j: sc and sc16 are the same for its rows */
+                    const __m256 sc = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel[j])));
+                    __m256 sc16;
+                    if (R == ROW_GROUP) {
+                        sc16 = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel16[j]))); /* m4 */
+                    } else if (shortcut) {                                             /* m1 */
+                        bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(
+                                                       _mm256_and_ps(sc, abs_mask), sc_limit, _CMP_NLT_UQ)));
+                        sc16 = _mm256_mul_ps(sc, sixteen);
+                    } else {
+                        sc16 = r16(_mm256_mul_ps(sc, sixteen));
+                    }
+                    if (shortcut) {
+                        sc_sum[g] = _mm256_add_ps(sc_sum[g], _mm256_and_ps(sc, abs_mask));
+                        if (R == ROW_GROUP)
+                            sc16_sum[g] = _mm256_add_ps(sc16_sum[g], _mm256_and_ps(sc16, abs_mask));
+                    }
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++) {
+                        /* acc = fp32(acc + sa * zp_j), zp_j = fp16(sc * asum8_j); the product is exact */
+                        const __m256 zp0 = _mm256_mul_ps(sc, _mm256_set1_ps(ar[r]->asum8[j]));
+                        const __m256 zp = shortcut ? v16(zp0) : r16(zp0);
+                        acc[g][r] = _mm256_add_ps(acc[g][r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), zp));
+                        /* vmadotsu.hp: d16 = fp16(d16 + fp16(fp16(dot_hi) * sc16)) */
+                        __m256 h = _mm256_cvtepi32_ps(dhi[r]);
+                        if (shortcut) {
+                            bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_abs_epi32(dhi[r]), hi_limit));
+                            d16[g][r] = v16(_mm256_add_ps(d16[g][r], v16(_mm256_mul_ps(h, sc16))));
+                        } else {
+                            h = r16(h);
+                            d16[g][r] = r16(_mm256_add_ps(d16[g][r], r16(_mm256_mul_ps(h, sc16))));
+                        }
+                        /* vmadotu.hp: d16 = fp16(d16 + fp16(fp16(dot_lo) * sc)) */
+                        if (shortcut) {
+                            const __m256 l = v16(_mm256_cvtepi32_ps(dlo[r]));
+                            d16[g][r] = v16(_mm256_add_ps(d16[g][r], v16(_mm256_mul_ps(l, sc))));
+                        } else {
+                            const __m256 l = r16(_mm256_cvtepi32_ps(dlo[r]));
+                            d16[g][r] = r16(_mm256_add_ps(d16[g][r], r16(_mm256_mul_ps(l, sc))));
+                        }
+                    }
                 } else {
-                    sc16 = r16(_mm256_mul_ps(sc, sixteen));
-                }
-                _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++) {
-                    /* acc = fp32(acc + sa * zp_j), zp_j = fp16(sc * asum8_j); the product is exact */
-                    const __m256 zp = r16(_mm256_mul_ps(sc, _mm256_set1_ps(ar[r]->asum8[j])));
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), zp));
-                    /* vmadotsu.hp: d16 = fp16(d16 + fp16(fp16(dot_hi) * sc16)) */
-                    __m256 h = _mm256_cvtepi32_ps(dhi[r]);
-                    if (shortcut)
-                        bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_abs_epi32(dhi[r]), hi_limit));
-                    else
-                        h = r16(h);
-                    d16[r] = r16(_mm256_add_ps(d16[r], r16(_mm256_mul_ps(h, sc16))));
-                    /* vmadotu.hp: d16 = fp16(d16 + fp16(fp16(dot_lo) * sc)) */
-                    const __m256 l = r16(_mm256_cvtepi32_ps(dlo[r]));
-                    d16[r] = r16(_mm256_add_ps(d16[r], r16(_mm256_mul_ps(l, sc))));
-                }
-            } else {
-                _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++) {
-                    /* acc = fp32(acc + fp32(fp32(fp32(sa * rel_j) * d) * fp32(dot + asum8_j))),
-                     * dot = 16 * dot_hi + dot_lo (exact) */
-                    const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dhi[r], 4), dlo[r]);
-                    const float sa_rel = ar[r]->sa * ar[r]->rel[j];
-                    const __m256 coef = _mm256_mul_ps(_mm256_set1_ps(sa_rel), d);
-                    const __m256 tt = _mm256_add_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ar[r]->asum8[j]));
-                    acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(coef, tt));
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++) {
+                        /* acc = fp32(acc + fp32(fp32(fp32(sa * rel_j) * d) * fp32(dot + asum8_j))),
+                         * dot = 16 * dot_hi + dot_lo (exact) */
+                        const __m256i dot = _mm256_add_epi32(_mm256_slli_epi32(dhi[r], 4), dlo[r]);
+                        const float sa_rel = ar[r]->sa * ar[r]->rel[j];
+                        const __m256 coef = _mm256_mul_ps(_mm256_set1_ps(sa_rel), d);
+                        const __m256 tt = _mm256_add_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(ar[r]->asum8[j]));
+                        acc[g][r] = _mm256_add_ps(acc[g][r], _mm256_mul_ps(coef, tt));
+                    }
                 }
             }
         }
         if (full) {
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm256_add_ps(acc[r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), d16[r]));
+            for (int g = 0; g < NG; g++) {
+                if (shortcut) {
+                    /* v16's overflow guard: every .hp value of this superblock stays below 65520 */
+                    const __m256 s16 = R == ROW_GROUP ? sc16_sum[g] : _mm256_mul_ps(sc_sum[g], sixteen);
+                    const __m256 bound = _mm256_add_ps(_mm256_mul_ps(s16, _mm256_set1_ps(DOT_HI_MAX)),
+                                                       _mm256_mul_ps(sc_sum[g], _mm256_set1_ps(DOT_LO_MAX)));
+                    bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(bound, _mm256_set1_ps(D16_LIMIT),
+                                                                                 _CMP_NLT_UQ)));
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++)
+                        bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(
+                                                       _mm256_mul_ps(sc_sum[g], _mm256_set1_ps(ar[r]->asum_max)),
+                                                       _mm256_set1_ps(ZP_LIMIT), _CMP_NLT_UQ)));
+                }
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++)
+                    acc[g][r] = _mm256_add_ps(acc[g][r], _mm256_mul_ps(_mm256_set1_ps(ar[r]->sa), d16[g][r]));
+            }
         }
     }
     if (!_mm256_testz_si256(bad, bad))
         return 1;
     _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++) {
-        if (ncols == 8) {
-            _mm256_storeu_ps(c + r * ldc, acc[r]);
-        } else {
-            float tmp[8];
-            _mm256_storeu_ps(tmp, acc[r]);
-            memcpy(c + r * ldc, tmp, sizeof(float) * (size_t)ncols);
+    for (int g = 0; g < NG; g++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++) {
+            const int w = ncols - 8 * g;
+            if (w >= 8) {
+                _mm256_storeu_ps(c + r * ldc + 8 * g, acc[g][r]);
+            } else if (w > 0) {
+                float tmp[8];
+                _mm256_storeu_ps(tmp, acc[g][r]);
+                memcpy(c + r * ldc + 8 * g, tmp, sizeof(float) * (size_t)w);
+            }
         }
-    }
     return 0;
 }
 
 X86_TARGET static void block8_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col8, int full,
                                  float *c, int64_t ldc, int ncols)
 {
-    if (block8(b, prep, s_count, t, col8, ROW_GROUP, full, c, ldc, ncols, full))
-        block8(b, prep, s_count, t, col8, ROW_GROUP, full, c, ldc, ncols, 0);
+    if (block8(b, prep, s_count, t, col8, ROW_GROUP, 1, full, c, ldc, ncols, full))
+        block8(b, prep, s_count, t, col8, ROW_GROUP, 1, full, c, ldc, ncols, 0);
 }
 
 X86_TARGET static void block8_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col8, int full,
                                  float *c, int64_t ldc, int ncols)
 {
-    if (block8(b, prep, s_count, t, col8, 1, full, c, ldc, ncols, full))
-        block8(b, prep, s_count, t, col8, 1, full, c, ldc, ncols, 0);
+    if (block8(b, prep, s_count, t, col8, 1, 1, full, c, ldc, ncols, full))
+        block8(b, prep, s_count, t, col8, 1, 1, full, c, ldc, ncols, 0);
+}
+
+/* A lone row on a whole full tile: four 8-column groups at once (see block8). */
+X86_TARGET static void block8_m1_tile(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, float *c)
+{
+    if (block8(b, prep, s_count, t, 0, 1, NG_MAX, 1, c, 0, TILE_N, 1))
+        block8(b, prep, s_count, t, 0, 1, NG_MAX, 1, c, 0, TILE_N, 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -535,24 +661,37 @@ X5V_INLINE __m512 r16z(__m512 x)
     return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+/* v16() on 16 lanes (same conditions). */
+X5V_INLINE __m512 v16z(__m512 x)
+{
+    const __m512 c = _mm512_mul_ps(x, _mm512_set1_ps(8193.0f));
+    return _mm512_sub_ps(c, _mm512_sub_ps(c, x));
+}
+
 /* block16() without AVX512-FP16: the VNNI int dots of block16 (same lane order), and block8()'s
- * fp32-emulated fp16 steps (every rounding an r16z) on 16 lanes. Bit-identical to both.
+ * fp32-emulated fp16 steps on 16 lanes, NG groups of 16 columns at once (NG = 2 for a lone row's
+ * full tile, see block8). Bit-identical to both.
  *
- * shortcut = 1 skips two roundings that are exact whenever a guard holds, and reports through the
- * return value whether the guard held for every lane (0: the result is exact and stored) or not
- * (1: nothing was stored; the caller runs shortcut = 0):
+ * shortcut = 1 takes the cheap roundings wherever a guard makes them exact, and reports through
+ * the return value whether every guard held for every lane (0: the result is exact and stored) or
+ * not (1: nothing was stored; the caller runs shortcut = 0, conversions only):
  *   - h = r16z(dot_hi) is dot_hi itself when |dot_hi| <= 2048 (an integer of at most 11 bits);
  *   - m1: sc16 = r16z(sc * 16) is sc * 16 itself (a power-of-two scaling of an fp16 value) unless
- *     it leaves the fp16 range, i.e. unless |sc| >= 4096 (or sc is NaN).
- * Both guards are lane masks (compares into k registers), much cheaper than the two conversions
- * each rounding costs. Typical activations never trip them; an adversarial block costs a rerun. */
+ *     it leaves the fp16 range, i.e. unless |sc| >= 4096 (or sc is NaN);
+ *   - zp, both products and both sums of the .hp steps are v16z() roundings, under block8's
+ *     overflow bound (D16_LIMIT, ZP_LIMIT) checked once per superblock.
+ * The guards are lane masks (compares into k registers), much cheaper than the two conversions
+ * each rounding costs. Typical activations and weights never trip them; an adversarial block costs
+ * a rerun. */
 X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_count, int64_t t, int col16,
-                        const int R, int full, float *c, int64_t ldc, int ncols, const int shortcut)
+                        const int R, const int NG, int full, float *c, int64_t ldc, int ncols, const int shortcut)
 {
-    __m512 acc[ROW_GROUP];
+    __m512 acc[NG_MAX][ROW_GROUP];
     _Pragma("GCC unroll 4")
-    for (int r = 0; r < R; r++)
-        acc[r] = _mm512_setzero_ps();
+    for (int g = 0; g < NG; g++)
+        _Pragma("GCC unroll 4")
+        for (int r = 0; r < R; r++)
+            acc[g][r] = _mm512_setzero_ps();
     const __m256i map16 = lane_map16();
     const __m512 sixteen = _mm512_set1_ps(16.0f);
     const __m512 sc_limit = _mm512_set1_ps(4096.0f);
@@ -565,71 +704,122 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
         for (int r = 0; r < R; r++)
             ar[r] = prep + r * s_count + s;
         const uint8_t *sup = b_packed + (size_t)((t * s_count + s) * SUBBLOCKS) * B_BLOCK;
-        __m512 d16[ROW_GROUP]; /* fp16 values */
+        __m512 d16[NG_MAX][ROW_GROUP]; /* fp16 values */
+        __m512 sc_sum[NG_MAX], sc16_sum[NG_MAX]; /* v16z's overflow guard, as block8's */
         _Pragma("GCC unroll 4")
-        for (int r = 0; r < R; r++)
-            d16[r] = _mm512_setzero_ps();
-        _Pragma("GCC unroll 8")
+        for (int g = 0; g < NG; g++) {
+            sc_sum[g] = _mm512_setzero_ps();
+            sc16_sum[g] = _mm512_setzero_ps();
+            _Pragma("GCC unroll 4")
+            for (int r = 0; r < R; r++)
+                d16[g][r] = _mm512_setzero_ps();
+        }
+        /* the int dots of the superblock first, then the fp steps (see block8) */
+        __m512i dots[SUBBLOCKS][NG_MAX][2][ROW_GROUP];
         for (int j = 0; j < SUBBLOCKS; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
-            __m512i even[4], odd[4], dhi[ROW_GROUP], dlo[ROW_GROUP];
-            codes16(blk + B_SCALES + (QK / 2) * col16, even, odd);
-            dots16(even, odd, ar, R, j, dhi, dlo);
-            const __m512 d = _mm512_cvtph_ps(
-                _mm256_permutexvar_epi16(map16, _mm256_loadu_si256((const __m256i *)(blk + 2 * col16))));
-            if (full) {
-                const __m512 sc = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel[j])));
-                __m512 sc16;
-                if (R == ROW_GROUP) {
-                    sc16 = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel16[j]))); /* m4 */
-                } else if (shortcut) {                                               /* m1 */
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < NG; g++) {
+                __m512i even[4], odd[4];
+                codes16(blk + B_SCALES + (QK / 2) * (col16 + 16 * g), even, odd);
+                dots16(even, odd, ar, R, j, dots[j][g][0], dots[j][g][1]);
+            }
+        }
+        for (int j = 0; j < SUBBLOCKS; j++) {
+            const uint8_t *blk = sup + (size_t)j * B_BLOCK;
+            _Pragma("GCC unroll 4")
+            for (int g = 0; g < NG; g++) {
+                const int cg = col16 + 16 * g;
+                const __m512i *dhi = dots[j][g][0], *dlo = dots[j][g][1];
+                const __m512 d = _mm512_cvtph_ps(
+                    _mm256_permutexvar_epi16(map16, _mm256_loadu_si256((const __m256i *)(blk + 2 * cg))));
+                if (full) {
+                    const __m512 sc = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel[j])));
                     const __m512 sc_abs = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(sc), abs_mask));
-                    bad |= _mm512_cmp_ps_mask(sc_abs, sc_limit, _CMP_NLT_UQ);
-                    sc16 = _mm512_mul_ps(sc, sixteen);
-                } else {
-                    sc16 = r16z(_mm512_mul_ps(sc, sixteen));
-                }
-                _Pragma("GCC unroll 4")
-                for (int r = 0; r < R; r++) {
-                    const __m512 zp = r16z(_mm512_mul_ps(sc, _mm512_set1_ps(ar[r]->asum8[j])));
-                    acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), zp));
-                    __m512 h = _mm512_cvtepi32_ps(dhi[r]);
+                    __m512 sc16;
+                    if (R == ROW_GROUP) {
+                        sc16 = r16z(_mm512_mul_ps(d, _mm512_set1_ps(ar[0]->rel16[j]))); /* m4 */
+                        if (shortcut)
+                            sc16_sum[g] = _mm512_add_ps(sc16_sum[g], _mm512_castsi512_ps(_mm512_and_si512(
+                                                                         _mm512_castps_si512(sc16), abs_mask)));
+                    } else if (shortcut) { /* m1 */
+                        bad |= _mm512_cmp_ps_mask(sc_abs, sc_limit, _CMP_NLT_UQ);
+                        sc16 = _mm512_mul_ps(sc, sixteen);
+                    } else {
+                        sc16 = r16z(_mm512_mul_ps(sc, sixteen));
+                    }
                     if (shortcut)
-                        bad |= _mm512_cmpgt_epu32_mask(_mm512_add_epi32(dhi[r], hi_bias), hi_span);
-                    else
-                        h = r16z(h);
-                    d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(h, sc16))));
-                    const __m512 l = r16z(_mm512_cvtepi32_ps(dlo[r]));
-                    d16[r] = r16z(_mm512_add_ps(d16[r], r16z(_mm512_mul_ps(l, sc))));
+                        sc_sum[g] = _mm512_add_ps(sc_sum[g], sc_abs);
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++) {
+                        const __m512 zp0 = _mm512_mul_ps(sc, _mm512_set1_ps(ar[r]->asum8[j]));
+                        const __m512 zp = shortcut ? v16z(zp0) : r16z(zp0);
+                        acc[g][r] = _mm512_add_ps(acc[g][r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), zp));
+                        const __m512 h = _mm512_cvtepi32_ps(dhi[r]);
+                        const __m512 l = _mm512_cvtepi32_ps(dlo[r]);
+                        if (shortcut) {
+                            bad |= _mm512_cmpgt_epu32_mask(_mm512_add_epi32(dhi[r], hi_bias), hi_span);
+                            d16[g][r] = v16z(_mm512_add_ps(d16[g][r], v16z(_mm512_mul_ps(h, sc16))));
+                            d16[g][r] = v16z(_mm512_add_ps(d16[g][r], v16z(_mm512_mul_ps(v16z(l), sc))));
+                        } else {
+                            d16[g][r] = r16z(_mm512_add_ps(d16[g][r], r16z(_mm512_mul_ps(r16z(h), sc16))));
+                            d16[g][r] = r16z(_mm512_add_ps(d16[g][r], r16z(_mm512_mul_ps(r16z(l), sc))));
+                        }
+                    }
+                } else {
+                    tail16(acc[g], ar, R, j, d, dhi, dlo);
                 }
-            } else {
-                tail16(acc, ar, R, j, d, dhi, dlo);
             }
         }
         if (full) {
             _Pragma("GCC unroll 4")
-            for (int r = 0; r < R; r++)
-                acc[r] = _mm512_add_ps(acc[r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16[r]));
+            for (int g = 0; g < NG; g++) {
+                if (shortcut) {
+                    const __m512 s16 = R == ROW_GROUP ? sc16_sum[g] : _mm512_mul_ps(sc_sum[g], sixteen);
+                    const __m512 bound = _mm512_add_ps(_mm512_mul_ps(s16, _mm512_set1_ps(DOT_HI_MAX)),
+                                                       _mm512_mul_ps(sc_sum[g], _mm512_set1_ps(DOT_LO_MAX)));
+                    bad |= _mm512_cmp_ps_mask(bound, _mm512_set1_ps(D16_LIMIT), _CMP_NLT_UQ);
+                    _Pragma("GCC unroll 4")
+                    for (int r = 0; r < R; r++)
+                        bad |= _mm512_cmp_ps_mask(_mm512_mul_ps(sc_sum[g], _mm512_set1_ps(ar[r]->asum_max)),
+                                                  _mm512_set1_ps(ZP_LIMIT), _CMP_NLT_UQ);
+                }
+                _Pragma("GCC unroll 4")
+                for (int r = 0; r < R; r++)
+                    acc[g][r] = _mm512_add_ps(acc[g][r], _mm512_mul_ps(_mm512_set1_ps(ar[r]->sa), d16[g][r]));
+            }
         }
     }
     if (bad)
         return 1;
-    store16(acc, R, c, ldc, ncols);
+    _Pragma("GCC unroll 4")
+    for (int g = 0; g < NG; g++) {
+        const int w = ncols - 16 * g;
+        if (w > 0)
+            store16(acc[g], R, c + 16 * g, ldc, w > 16 ? 16 : w);
+    }
     return 0;
 }
 
 X5V_TARGET static void block16f_m4(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
                                    int full, float *c, int64_t ldc, int ncols)
 {
-    if (block16f(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols, full))
-        block16f(b, prep, s_count, t, col16, ROW_GROUP, full, c, ldc, ncols, 0);
+    if (block16f(b, prep, s_count, t, col16, ROW_GROUP, 1, full, c, ldc, ncols, full))
+        block16f(b, prep, s_count, t, col16, ROW_GROUP, 1, full, c, ldc, ncols, 0);
 }
 
 X5V_TARGET static void block16f_m1(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, int col16,
                                    int full, float *c, int64_t ldc, int ncols)
 {
-    if (block16f(b, prep, s_count, t, col16, 1, full, c, ldc, ncols, full))
-        block16f(b, prep, s_count, t, col16, 1, full, c, ldc, ncols, 0);
+    if (block16f(b, prep, s_count, t, col16, 1, 1, full, c, ldc, ncols, full))
+        block16f(b, prep, s_count, t, col16, 1, 1, full, c, ldc, ncols, 0);
+}
+
+/* A lone row on a whole full tile: both 16-column groups at once (see block8). */
+X5V_TARGET static void block16f_m1_tile(const uint8_t *b, const a_prep *prep, int64_t s_count, int64_t t, float *c)
+{
+    if (block16f(b, prep, s_count, t, 0, 1, 2, 1, c, 0, TILE_N, 1))
+        block16f(b, prep, s_count, t, 0, 1, 2, 1, c, 0, TILE_N, 0);
 }
 
 /* ------------------------------------------------------------------------------------------ */
@@ -660,6 +850,14 @@ X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packe
             const int ncols = full ? TILE_N : (int)(n - col0);
             const int wide = variant != VARIANT_AVX2;
             const int step = wide ? 16 : 8;
+            if (variant == VARIANT_AVX2 && rows == 1 && full) {
+                block8_m1_tile(b_packed, prep, s_count, t, c + row0 * n + col0);
+                continue;
+            }
+            if (variant == VARIANT_VNNI && rows == 1 && full) {
+                block16f_m1_tile(b_packed, prep, s_count, t, c + row0 * n + col0);
+                continue;
+            }
             for (int cb = 0; cb < ncols; cb += step) {
                 const int w = ncols - cb < step ? ncols - cb : step;
                 float *cp = c + row0 * n + col0 + cb;

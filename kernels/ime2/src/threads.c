@@ -12,7 +12,8 @@
  * result is bit-identical to npu_ime2_gemm. vllm_npu.ime2.fence.plan_slices is the same split.
  *
  * Who computes. Every slice runs on a pool worker; the calling thread checks the arguments, hands
- * out the slices, sleeps until they are done and copies them into C (an empty C: worker 0 makes
+ * out the slices, waits until they are done (spin_until: looking for up to 50 us, yielding the CPU
+ * between looks, then sleeping on a condition variable) and copies them into C (an empty C: worker 0 makes
  * npu_ime2_gemm's path check on its core). The only exception is an unconfigured pool with T == 1
  * (threads == 1, one tile, or an empty C), which is npu_ime2_gemm in the caller. On the SpacemiT
  * K3 the Python fence (vllm_npu.ime2.fence) registers the workers alone in /proc/set_ai_thread and
@@ -24,7 +25,11 @@
  * Pool lifetime. Workers are created when first needed (a GEMM with T > 1 on an unconfigured
  * pool, npu_ime2_pool_start, npu_ime2_pool_configure), in the process that uses them, and then
  * reused: never per call. An unconfigured pool grows to the largest T asked for. A worker that
- * has no slice sleeps on a condition variable. Workers block the asynchronous signals (they stay
+ * has no slice looks for one for up to 50 us (spin_until), then sleeps on a condition variable:
+ * GEMMs that follow each other closely (a model's layers; benchmark loops) find their workers
+ * awake, where a condition-variable wake-up costs tens of microseconds in a VM and a woken worker
+ * may land on a busy CPU (issue 12: two threads took 0.7-1.6x one thread's time on a 2-core VM,
+ * now about 0.57x). Workers block the asynchronous signals (they stay
  * with the application's threads) but not the synchronous ones (SIGILL, SIGSEGV, SIGBUS, SIGFPE,
  * SIGTRAP, SIGSYS), which must reach the thread that caused them: the QEMU test driver emulates the
  * .hp instructions in a SIGILL handler, on whichever thread executes them.
@@ -50,6 +55,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/types.h>
+#include <time.h>
 #include <unistd.h>
 #ifdef __linux__
 #include <sys/syscall.h>
@@ -119,12 +125,44 @@ static int current_cpu(void)
 
 static void finish_slice(pool_worker *self, int cpu, int vlenb)
 {
-    self->job = NULL;
+    __atomic_store_n(&self->job, NULL, __ATOMIC_RELAXED);
     self->slices++;
     self->last_cpu = cpu;
     self->last_vlenb = vlenb;
-    if (--pool.pending == 0)
+    if (__atomic_sub_fetch(&pool.pending, 1, __ATOMIC_RELEASE) == 0)
         pthread_cond_broadcast(&pool.idle);
+}
+
+/* Spin for up to SPIN_NS nanoseconds (`pool.lock` not held) while `done(arg)` is false, yielding
+ * the CPU between looks: a GEMM handed out or finished within that time is seen without a
+ * condition-variable sleep and wake-up, which costs tens of microseconds in a VM. Returns
+ * whether done() became true; the caller then re-checks under the lock either way. */
+#define SPIN_NS 50000
+static int spin_until(int (*done)(const void *), const void *arg)
+{
+    struct timespec t0, t;
+    clock_gettime(CLOCK_MONOTONIC, &t0);
+    for (;;) {
+        for (int i = 0; i < 64; i++)
+            if (done(arg))
+                return 1;
+        clock_gettime(CLOCK_MONOTONIC, &t);
+        if ((t.tv_sec - t0.tv_sec) * 1000000000L + (t.tv_nsec - t0.tv_nsec) > SPIN_NS)
+            return 0;
+        sched_yield();
+    }
+}
+
+static int has_job(const void *w)
+{
+    return __atomic_load_n(&((const pool_worker *)w)->job, __ATOMIC_ACQUIRE) != NULL ||
+           __atomic_load_n(&pool.stopping, __ATOMIC_RELAXED);
+}
+
+static int none_pending(const void *unused)
+{
+    (void)unused;
+    return __atomic_load_n(&pool.pending, __ATOMIC_ACQUIRE) == 0;
 }
 
 static void *worker_main(void *arg)
@@ -135,6 +173,11 @@ static void *worker_main(void *arg)
     self->started = 1;
     pthread_cond_broadcast(&pool.idle);
     for (;;) {
+        if (!self->job && !pool.stopping) {
+            pthread_mutex_unlock(&pool.lock);
+            spin_until(has_job, self);
+            pthread_mutex_lock(&pool.lock);
+        }
         while (!self->job && !pool.stopping)
             pthread_cond_wait(&pool.wake, &pool.lock);
         slice_job *job = self->job;
@@ -262,7 +305,7 @@ static void stop_workers(void)
 {
     pthread_mutex_lock(&pool.lock);
     const int n = pool.size;
-    pool.stopping = 1;
+    __atomic_store_n(&pool.stopping, 1, __ATOMIC_RELAXED);
     pthread_cond_broadcast(&pool.wake);
     pthread_mutex_unlock(&pool.lock);
     for (int i = 0; i < n; i++)
@@ -297,10 +340,13 @@ static int slice_count(int threads, int configured, int64_t tiles)
 static void run_round(slice_job *jobs, int t)
 {
     pthread_mutex_lock(&pool.lock);
-    pool.pending = t;
+    __atomic_store_n(&pool.pending, t, __ATOMIC_RELAXED);
     for (int i = 0; i < t; i++)
-        pool.w[i].job = &jobs[i];
+        __atomic_store_n(&pool.w[i].job, &jobs[i], __ATOMIC_RELEASE);
     pthread_cond_broadcast(&pool.wake);
+    pthread_mutex_unlock(&pool.lock);
+    spin_until(none_pending, NULL);
+    pthread_mutex_lock(&pool.lock);
     while (pool.pending > 0)
         pthread_cond_wait(&pool.idle, &pool.lock);
     pthread_mutex_unlock(&pool.lock);
