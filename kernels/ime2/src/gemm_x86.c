@@ -113,6 +113,8 @@ typedef struct {
     float asum8[SUBBLOCKS]; /* fp16 asum8_j of this row */
     float sa;               /* fp16 scale_avg */
     float asum_max;         /* max_j |asum8_j|; +inf when one is not an integer (see v16()) */
+    unsigned hi_safe;       /* bit j: 15 * sum |a_hi| of sub-block j <= 2048, so |dot_hi| <= 2048
+                               for any codes and the lane check of that guard can be skipped */
     uint16_t rel_h[SUBBLOCKS], rel16_h[SUBBLOCKS], asum8_h[SUBBLOCKS]; /* the same as fp16 bits */
 } a_prep;
 
@@ -141,6 +143,14 @@ static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s,
         }
     }
     out->sa = f16_to_float(get_f16(sa_p));
+    out->hi_safe = 0;
+    for (int j = 0; j < SUBBLOCKS; j++) {
+        int hsum = 0;
+        for (int i = 0; i < QK; i++)
+            hsum += out->hi[j][i] < 0 ? -out->hi[j][i] : out->hi[j][i];
+        if (15 * hsum <= 2048)
+            out->hi_safe |= 1u << j;
+    }
     /* quantize_a's asum8 are integers (8 * a sum of int8); a packed A from elsewhere may hold
      * anything, and a non-integer (or non-finite) asum8 makes zp_j's rounding one that v16()
      * does not reproduce: +inf trips the guard, and the block runs the exact conversions */
@@ -278,7 +288,6 @@ X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_cou
                       const int R, const int NG, int full, float *c, int64_t ldc, int ncols, const int shortcut)
 {
     __m256i bad = _mm256_setzero_si256();
-    const __m256 sc_limit = _mm256_set1_ps(4096.0f);
     const __m256i hi_limit = _mm256_set1_epi32(2048);
     const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
     __m256 acc[NG_MAX][ROW_GROUP];
@@ -329,9 +338,7 @@ X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_cou
                     __m256 sc16;
                     if (R == ROW_GROUP) {
                         sc16 = r16(_mm256_mul_ps(d, _mm256_set1_ps(ar[0]->rel16[j]))); /* m4 */
-                    } else if (shortcut) {                                             /* m1 */
-                        bad = _mm256_or_si256(bad, _mm256_castps_si256(_mm256_cmp_ps(
-                                                       _mm256_and_ps(sc, abs_mask), sc_limit, _CMP_NLT_UQ)));
+                    } else if (shortcut) { /* m1: |sc| < 4096 follows from the bound below */
                         sc16 = _mm256_mul_ps(sc, sixteen);
                     } else {
                         sc16 = r16(_mm256_mul_ps(sc, sixteen));
@@ -350,7 +357,8 @@ X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_cou
                         /* vmadotsu.hp: d16 = fp16(d16 + fp16(fp16(dot_hi) * sc16)) */
                         __m256 h = _mm256_cvtepi32_ps(dhi[r]);
                         if (shortcut) {
-                            bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_abs_epi32(dhi[r]), hi_limit));
+                            if (!(ar[r]->hi_safe >> j & 1u))
+                                bad = _mm256_or_si256(bad, _mm256_cmpgt_epi32(_mm256_abs_epi32(dhi[r]), hi_limit));
                             d16[g][r] = v16(_mm256_add_ps(d16[g][r], v16(_mm256_mul_ps(h, sc16))));
                         } else {
                             h = r16(h);
@@ -694,7 +702,6 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
             acc[g][r] = _mm512_setzero_ps();
     const __m256i map16 = lane_map16();
     const __m512 sixteen = _mm512_set1_ps(16.0f);
-    const __m512 sc_limit = _mm512_set1_ps(4096.0f);
     const __m512i hi_bias = _mm512_set1_epi32(2048), hi_span = _mm512_set1_epi32(4096);
     const __m512i abs_mask = _mm512_set1_epi32(0x7fffffff);
     __mmask16 bad = 0;
@@ -742,8 +749,7 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
                         if (shortcut)
                             sc16_sum[g] = _mm512_add_ps(sc16_sum[g], _mm512_castsi512_ps(_mm512_and_si512(
                                                                          _mm512_castps_si512(sc16), abs_mask)));
-                    } else if (shortcut) { /* m1 */
-                        bad |= _mm512_cmp_ps_mask(sc_abs, sc_limit, _CMP_NLT_UQ);
+                    } else if (shortcut) { /* m1: |sc| < 4096 follows from the bound below */
                         sc16 = _mm512_mul_ps(sc, sixteen);
                     } else {
                         sc16 = r16z(_mm512_mul_ps(sc, sixteen));
@@ -758,7 +764,8 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
                         const __m512 h = _mm512_cvtepi32_ps(dhi[r]);
                         const __m512 l = _mm512_cvtepi32_ps(dlo[r]);
                         if (shortcut) {
-                            bad |= _mm512_cmpgt_epu32_mask(_mm512_add_epi32(dhi[r], hi_bias), hi_span);
+                            if (!(ar[r]->hi_safe >> j & 1u))
+                                bad |= _mm512_cmpgt_epu32_mask(_mm512_add_epi32(dhi[r], hi_bias), hi_span);
                             d16[g][r] = v16z(_mm512_add_ps(d16[g][r], v16z(_mm512_mul_ps(h, sc16))));
                             d16[g][r] = v16z(_mm512_add_ps(d16[g][r], v16z(_mm512_mul_ps(v16z(l), sc))));
                         } else {
