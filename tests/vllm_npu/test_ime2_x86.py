@@ -298,6 +298,65 @@ def test_packed_a_from_elsewhere_with_unusual_asum8(m, asum8):
         assert np.isinf(portable).all()  # zp = fp16(1.2 * 60000) = inf
 
 
+def _rel_offset(m: int, k: int, row: int, s: int, j: int) -> int:
+    """Byte offset of rel_j of (row, superblock s) in quantize_a's output (pack.c layout)."""
+    s_count = -(-k // 256)
+    if row < m // 4 * 4:
+        return (row - row % 4) * s_count * 290 + s * 1160 + 136 * j
+    return row * s_count * 290 + s * 290 + 34 * j
+
+
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_k_padding_skipped_only_where_it_adds_exact_zeros(m):
+    """K = 576: the last superblock's sub-blocks 2..7 are padding, which the variants without
+    AVX512-FP16 skip when it adds exact zeros (rel = asum8 = 0 from quantize_a, finite sa and
+    scales). Where it would not, nothing is skipped and the result is the portable path's:
+    a packed A whose padding holds a non-zero rel_j and asum8_j (it then adds sa * zp_j), a
+    packed B with inf / NaN scales in its padding (inf * 0 = NaN in that column), and an inf
+    scale_avg (sa * 0 = NaN). Each case fails when its check is removed."""
+    rng = np.random.default_rng(23 + m)
+    k, n = 576, 70
+    qw, sc = rand_weights(rng, n, k)
+    a = rng.standard_normal((m, k)).astype(np.float32)
+    run_all(a, qw, sc)  # the skipping case itself
+    ap, bp = kernel.quantize_a(a), bytearray(kernel.pack_b(qw, sc))
+    s_last, s_count = k // 256, -(-k // 256)
+    for col, j, val in ((3, 5, np.inf), (40, 7, np.nan), (65, 2, -np.inf)):  # full tiles and the tail
+        t, c = divmod(col, 32)
+        off = ((t * s_count + s_last) * 8 + j) * 576 + 2 * c
+        bp[off:off + 2] = np.array([val], np.float16).tobytes()
+    bp = bytes(bp)
+    portable = kernel.gemm_packed(ap, bp, m, k, n, path="portable")
+    np.testing.assert_array_equal(bits(kernel.gemm_packed(ap, bp, m, k, n, path="x86")), bits(portable))
+    assert np.isnan(portable[:, [3, 40, 65]]).all() and np.isfinite(np.delete(portable, [3, 40, 65], 1)).all()
+    garbage = bytearray(ap)
+    for row in range(m):
+        off = _rel_offset(m, k, row, s_last, 6)
+        garbage[off:off + 2] = np.array([0.5], np.float16).tobytes()
+        aoff = _asum8_offsets(m, k, row, s_last) + 2 * 6
+        garbage[aoff:aoff + 2] = np.array([-64.0], np.float16).tobytes()
+    garbage = bytes(garbage)
+    bp1 = bytearray(kernel.pack_b(qw, sc))  # padding scales of sub-block 6: 1.0 (pack_b writes 0)
+    for t in range(-(-n // 32)):
+        off = ((t * s_count + s_last) * 8 + 6) * 576
+        bp1[off:off + 64] = np.ones(32, np.float16).tobytes()
+    bp1 = bytes(bp1)
+    clean = kernel.gemm_packed(ap, bp1, m, k, n, path="portable")  # rel_6 = 0: still exact zeros
+    np.testing.assert_array_equal(bits(kernel.gemm_packed(ap, bp1, m, k, n, path="x86")), bits(clean))
+    portable = kernel.gemm_packed(garbage, bp1, m, k, n, path="portable")
+    np.testing.assert_array_equal(bits(kernel.gemm_packed(garbage, bp1, m, k, n, path="x86")), bits(portable))
+    assert not np.array_equal(portable, clean)  # the padding of this A does add something
+    inf_sa = bytearray(ap)  # scale_avg inf in the last superblock: the padding's 0 * inf is NaN
+    for row in range(m):
+        grouped = row < m // 4 * 4
+        off = ((row - row % 4) * s_count * 290 + s_last * 1160 + 1152 if grouped
+               else row * s_count * 290 + s_last * 290 + 288)
+        inf_sa[off:off + 2] = np.array([np.inf], np.float16).tobytes()
+    inf_sa = bytes(inf_sa)
+    portable = kernel.gemm_packed(inf_sa, bp1, m, k, n, path="portable")
+    np.testing.assert_array_equal(bits(kernel.gemm_packed(inf_sa, bp1, m, k, n, path="x86")), bits(portable))
+
+
 # ---------------------------------------------------------------------------------------------
 # the caller's MXCSR
 

@@ -113,6 +113,8 @@ typedef struct {
     float asum8[SUBBLOCKS]; /* fp16 asum8_j of this row */
     float sa;               /* fp16 scale_avg */
     float asum_max;         /* max_j |asum8_j|; +inf when one is not an integer (see v16()) */
+    int pad_from;           /* sub-blocks pad_from..7 hold only K padding that adds exactly 0
+                               (see pad_skippable); SUBBLOCKS when none can be skipped */
     unsigned hi_safe;       /* bit j: 15 * sum |a_hi| of sub-block j <= 2048, so |dot_hi| <= 2048
                                for any codes and the lane check of that guard can be skipped */
     uint16_t rel_h[SUBBLOCKS], rel16_h[SUBBLOCKS], asum8_h[SUBBLOCKS]; /* the same as fp16 bits */
@@ -143,6 +145,7 @@ static void prep_row(const uint8_t *a_packed, int64_t m, int64_t row, int64_t s,
         }
     }
     out->sa = f16_to_float(get_f16(sa_p));
+    out->pad_from = SUBBLOCKS;
     out->hi_safe = 0;
     for (int j = 0; j < SUBBLOCKS; j++) {
         int hsum = 0;
@@ -189,6 +192,35 @@ X86_INLINE __m256 v16(__m256 x)
 {
     const __m256 c = _mm256_mul_ps(x, _mm256_set1_ps(8193.0f));
     return _mm256_sub_ps(c, _mm256_sub_ps(c, x));
+}
+
+/*
+ * The sub-blocks of the last superblock past K (K % 256 != 0: K = 576, 896, 960 among the seed's
+ * shapes) are zero padding: quantize_a writes rel_j = 0 and asum8_j = 0 there, and every step of
+ * both arithmetics then adds an exact zero (sc = fp16(d * 0), zp = fp16(sc * 0), the products
+ * h * sc16 and l * sc, and the scalar tail's fp32(sa * 0) * d), provided d and sa are finite:
+ * an fp32 or fp16 sum never becomes -0 from +0, so adding +-0 leaves acc and d16 unchanged.
+ * gemm_rows sets a_prep.pad_from of a group's last superblock when all its rows qualify; a block
+ * skips those sub-blocks when its columns' scales there are finite too (a packed B from elsewhere
+ * may hold inf or NaN in its padding, and inf * 0 is NaN). Returns the sub-blocks to compute.
+ */
+X86_INLINE int pad_skippable(const a_prep *ar0, int64_t s, int64_t s_count, const uint8_t *sup, int col, int width)
+{
+    if (s != s_count - 1 || ar0->pad_from >= SUBBLOCKS)
+        return SUBBLOCKS;
+    const __m256i expo = _mm256_set1_epi16(0x7c00);
+    for (int j = ar0->pad_from; j < SUBBLOCKS; j++)
+        for (int c = 0; c < width; c += 16) {
+            const __m256i d = _mm256_loadu_si256((const __m256i *)(sup + (size_t)j * B_BLOCK + 2 * (col + c)));
+            __m256i e = _mm256_cmpeq_epi16(_mm256_and_si256(d, expo), expo); /* inf or NaN */
+            if (width - c < 16) /* only the first width - c of these 16 columns are ours */
+                e = _mm256_and_si256(e, _mm256_cmpgt_epi16(_mm256_set1_epi16((short)(width - c)),
+                                                           _mm256_setr_epi16(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11,
+                                                                             12, 13, 14, 15)));
+            if (!_mm256_testz_si256(e, e))
+                return SUBBLOCKS;
+        }
+    return ar0->pad_from;
 }
 
 X86_INLINE __m256i load_2x128(const uint8_t *lo, const uint8_t *hi)
@@ -313,10 +345,11 @@ X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_cou
             for (int r = 0; r < R; r++)
                 d16[g][r] = _mm256_setzero_ps();
         }
+        const int j_end = pad_skippable(ar[0], s, s_count, sup, col8, 8 * NG);
         /* the int dots of the whole superblock first (no dependencies between them), then the
          * fp steps (chains through j): the two kinds of work do not wait for each other */
         __m256i dots[SUBBLOCKS][NG_MAX][2][ROW_GROUP];
-        for (int j = 0; j < SUBBLOCKS; j++) {
+        for (int j = 0; j < j_end; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
             _Pragma("GCC unroll 4")
             for (int g = 0; g < NG; g++) {
@@ -325,7 +358,7 @@ X86_INLINE int block8(const uint8_t *b_packed, const a_prep *prep, int64_t s_cou
                 dots8(even, odd, ar, R, j, dots[j][g][0], dots[j][g][1]);
             }
         }
-        for (int j = 0; j < SUBBLOCKS; j++) {
+        for (int j = 0; j < j_end; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
             _Pragma("GCC unroll 4")
             for (int g = 0; g < NG; g++) {
@@ -721,9 +754,10 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
             for (int r = 0; r < R; r++)
                 d16[g][r] = _mm512_setzero_ps();
         }
+        const int j_end = pad_skippable(ar[0], s, s_count, sup, col16, 16 * NG);
         /* the int dots of the superblock first, then the fp steps (see block8) */
         __m512i dots[SUBBLOCKS][NG_MAX][2][ROW_GROUP];
-        for (int j = 0; j < SUBBLOCKS; j++) {
+        for (int j = 0; j < j_end; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
             _Pragma("GCC unroll 4")
             for (int g = 0; g < NG; g++) {
@@ -732,7 +766,7 @@ X5V_INLINE int block16f(const uint8_t *b_packed, const a_prep *prep, int64_t s_c
                 dots16(even, odd, ar, R, j, dots[j][g][0], dots[j][g][1]);
             }
         }
-        for (int j = 0; j < SUBBLOCKS; j++) {
+        for (int j = 0; j < j_end; j++) {
             const uint8_t *blk = sup + (size_t)j * B_BLOCK;
             _Pragma("GCC unroll 4")
             for (int g = 0; g < NG; g++) {
@@ -851,6 +885,17 @@ X86_TARGET static void gemm_rows(const uint8_t *a_packed, const uint8_t *b_packe
         for (int r = 0; r < rows; r++)
             for (int64_t s = 0; s < s_count; s++)
                 prep_row(a_packed, m, row0 + r, s, s_count, prep + r * s_count + s);
+        const int j_real = (int)((k - (s_count - 1) * SUPERBLOCK_K) / QK); /* sub-blocks of the last superblock within K */
+        int pad_ok = j_real < SUBBLOCKS;
+        for (int r = 0; r < rows && pad_ok; r++) {
+            const a_prep *last = prep + r * s_count + s_count - 1;
+            pad_ok = last->sa - last->sa == 0.0f; /* finite */
+            for (int j = j_real; j < SUBBLOCKS && pad_ok; j++)
+                pad_ok = (last->rel_h[j] & 0x7fffu) == 0 && (last->asum8_h[j] & 0x7fffu) == 0;
+        }
+        if (pad_ok && variant != VARIANT_FP16)
+            for (int r = 0; r < rows; r++)
+                prep[r * s_count + s_count - 1].pad_from = j_real;
         for (int64_t t = 0; t < t_count; t++) {
             const int64_t col0 = t * TILE_N;
             const int full = col0 + TILE_N <= n_full;
