@@ -15,13 +15,12 @@ Each call is ``quantize_a`` + ``gemm_packed(path="auto", threads=T)`` (weights p
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-import sys
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from test_bench_ime2 import _ort_session, _weights  # noqa: E402

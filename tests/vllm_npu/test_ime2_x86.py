@@ -15,6 +15,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import npusim.q4x32 as q
+import npusim.q4x32.layout as L
 from vllm_npu.ime2 import kernel
 
 
@@ -263,14 +264,25 @@ def test_d16_overflow_in_the_middle_of_a_superblock(m):
     assert np.isposinf(c[:, :32]).all() and np.isfinite(c[:, 32:]).all()
 
 
-def _asum8_offsets(m: int, k: int, row: int, s: int) -> int:
-    """Byte offset of asum8[0] of (row, superblock s) in quantize_a's output (kernels/ime2 pack.c:
-    4-row groups of 1160 bytes per superblock, lone rows 290)."""
-    s_count = -(-k // 256)
-    grouped = row < m // 4 * 4
-    if grouped:
-        return (row - row % 4) * s_count * 290 + s * 1160 + 1088 + 16 * (row % 4)
-    return row * s_count * 290 + s * 290 + 272
+def _a_offset(m: int, k: int, row: int, s: int, field: str, j: int = 0) -> int:
+    """Byte offset of ``field`` ("rel" of sub-block j, "asum8" of sub-block j, "sa") of (row,
+    superblock s) in quantize_a's output, from npusim.q4x32.layout (pack.c's layout: 4-row groups
+    first, then lone rows)."""
+    s_count = L.n_superblocks(k)
+    if row < m // 4 * 4:
+        base = (row - row % 4) * s_count * L.A_BLOCK_BYTES + s * L.A_GROUP_BLOCK_BYTES
+        return base + {"rel": L.A_GROUP_SUBBLOCK_STRIDE * j,
+                       "asum8": L.A_GROUP_ASUM_OFFSET + 2 * (L.SUBBLOCKS * (row % 4) + j),
+                       "sa": L.A_GROUP_SCALE_AVG_OFFSET}[field]
+    base = row * s_count * L.A_BLOCK_BYTES + s * L.A_BLOCK_BYTES
+    return base + {"rel": L.A_ROW_SUBBLOCK_STRIDE * j, "asum8": L.A_ROW_ASUM_OFFSET + 2 * j,
+                   "sa": L.A_ROW_SCALE_AVG_OFFSET}[field]
+
+
+def _b_scale_offset(k: int, col: int, s: int, j: int) -> int:
+    """Byte offset of column ``col``'s fp16 scale for (superblock s, sub-block j) in pack_b's output."""
+    t, c = divmod(col, L.TILE_N)
+    return (t * L.n_superblocks(k) + s) * L.B_SUPERBLOCK_BYTES + j * L.B_BLOCK_BYTES + 2 * c
 
 
 @pytest.mark.parametrize("m", [1, 4])
@@ -288,7 +300,7 @@ def test_packed_a_from_elsewhere_with_unusual_asum8(m, asum8):
     ap = bytearray(kernel.quantize_a(a))
     for row in range(m):
         for s in range(k // 256):
-            off = _asum8_offsets(m, k, row, s)
+            off = _a_offset(m, k, row, s, "asum8")
             ap[off:off + 16] = np.full(8, asum8, np.float16).tobytes()
     bp = kernel.pack_b(qw, sc)
     portable = kernel.gemm_packed(bytes(ap), bp, m, k, n, path="portable")
@@ -296,14 +308,6 @@ def test_packed_a_from_elsewhere_with_unusual_asum8(m, asum8):
     np.testing.assert_array_equal(bits(x86), bits(portable))
     if asum8 > 1:
         assert np.isinf(portable).all()  # zp = fp16(1.2 * 60000) = inf
-
-
-def _rel_offset(m: int, k: int, row: int, s: int, j: int) -> int:
-    """Byte offset of rel_j of (row, superblock s) in quantize_a's output (pack.c layout)."""
-    s_count = -(-k // 256)
-    if row < m // 4 * 4:
-        return (row - row % 4) * s_count * 290 + s * 1160 + 136 * j
-    return row * s_count * 290 + s * 290 + 34 * j
 
 
 @pytest.mark.parametrize("m", [1, 4, 5])
@@ -320,10 +324,9 @@ def test_k_padding_skipped_only_where_it_adds_exact_zeros(m):
     a = rng.standard_normal((m, k)).astype(np.float32)
     run_all(a, qw, sc)  # the skipping case itself
     ap, bp = kernel.quantize_a(a), bytearray(kernel.pack_b(qw, sc))
-    s_last, s_count = k // 256, -(-k // 256)
+    s_last = k // 256
     for col, j, val in ((3, 5, np.inf), (40, 7, np.nan), (65, 2, -np.inf)):  # full tiles and the tail
-        t, c = divmod(col, 32)
-        off = ((t * s_count + s_last) * 8 + j) * 576 + 2 * c
+        off = _b_scale_offset(k, col, s_last, j)
         bp[off:off + 2] = np.array([val], np.float16).tobytes()
     bp = bytes(bp)
     portable = kernel.gemm_packed(ap, bp, m, k, n, path="portable")
@@ -331,14 +334,14 @@ def test_k_padding_skipped_only_where_it_adds_exact_zeros(m):
     assert np.isnan(portable[:, [3, 40, 65]]).all() and np.isfinite(np.delete(portable, [3, 40, 65], 1)).all()
     garbage = bytearray(ap)
     for row in range(m):
-        off = _rel_offset(m, k, row, s_last, 6)
+        off = _a_offset(m, k, row, s_last, "rel", 6)
         garbage[off:off + 2] = np.array([0.5], np.float16).tobytes()
-        aoff = _asum8_offsets(m, k, row, s_last) + 2 * 6
+        aoff = _a_offset(m, k, row, s_last, "asum8", 6)
         garbage[aoff:aoff + 2] = np.array([-64.0], np.float16).tobytes()
     garbage = bytes(garbage)
     bp1 = bytearray(kernel.pack_b(qw, sc))  # padding scales of sub-block 6: 1.0 (pack_b writes 0)
-    for t in range(-(-n // 32)):
-        off = ((t * s_count + s_last) * 8 + 6) * 576
+    for col0 in range(0, n, L.TILE_N):
+        off = _b_scale_offset(k, col0, s_last, 6)
         bp1[off:off + 64] = np.ones(32, np.float16).tobytes()
     bp1 = bytes(bp1)
     clean = kernel.gemm_packed(ap, bp1, m, k, n, path="portable")  # rel_6 = 0: still exact zeros
@@ -348,9 +351,7 @@ def test_k_padding_skipped_only_where_it_adds_exact_zeros(m):
     assert not np.array_equal(portable, clean)  # the padding of this A does add something
     inf_sa = bytearray(ap)  # scale_avg inf in the last superblock: the padding's 0 * inf is NaN
     for row in range(m):
-        grouped = row < m // 4 * 4
-        off = ((row - row % 4) * s_count * 290 + s_last * 1160 + 1152 if grouped
-               else row * s_count * 290 + s_last * 290 + 288)
+        off = _a_offset(m, k, row, s_last, "sa")
         inf_sa[off:off + 2] = np.array([np.inf], np.float16).tobytes()
     inf_sa = bytes(inf_sa)
     portable = kernel.gemm_packed(inf_sa, bp1, m, k, n, path="portable")

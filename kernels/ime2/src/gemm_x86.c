@@ -293,14 +293,14 @@ X86_INLINE void dots8(const __m256i even[4], const __m256i odd[4], const a_prep 
  * 32-column tile (.hp arithmetic), else the scalar tail's (NG = 1 there).
  *
  * Why NG groups at once: the d16 accumulation of a .hp step is a chain of dependent fp16
- * roundings (add, VCVTPS2PH, VCVTPH2PS, twice per sub-block), about 20 cycles of latency per
- * sub-block. One 8-column group of a lone row (R = 1) is a single such chain and leaves the
+ * roundings (an add, then a rounding: two conversions or v16's three dependent operations; twice
+ * per sub-block). One 8-column group of a lone row (R = 1) is a single such chain and leaves the
  * vector units idle most of that time; NG = 4 independent chains (the whole 32-column tile)
  * fill them. A 4-row group already has 4 chains (NG = 1).
  *
- * shortcut = 1 takes the cheap roundings block16f() takes, under the same guards (|dot_hi| <= 2048;
- * m1: |sc| < 4096; the v16() overflow bound below), kept as vector masks and tested once at the
- * end: 1 = a lane broke a guard and nothing was stored (the caller reruns with shortcut = 0,
+ * shortcut = 1 takes the cheap roundings block16f() takes, under the same guards (|dot_hi| <= 2048,
+ * unless the row's hi_safe bit says so already; the v16() overflow bound below, which also keeps
+ * m1's |sc| < 4096), kept as vector masks and tested once at the end: 1 = a lane broke a guard and nothing was stored (the caller reruns with shortcut = 0,
  * conversions only), 0 = stored.
  */
 #define NG_MAX 4
@@ -716,9 +716,10 @@ X5V_INLINE __m512 v16z(__m512 x)
  * shortcut = 1 takes the cheap roundings wherever a guard makes them exact, and reports through
  * the return value whether every guard held for every lane (0: the result is exact and stored) or
  * not (1: nothing was stored; the caller runs shortcut = 0, conversions only):
- *   - h = r16z(dot_hi) is dot_hi itself when |dot_hi| <= 2048 (an integer of at most 11 bits);
+ *   - h = r16z(dot_hi) is dot_hi itself when |dot_hi| <= 2048 (an integer of at most 11 bits):
+ *     a lane check, skipped for a row's sub-block whose hi_safe bit is set;
  *   - m1: sc16 = r16z(sc * 16) is sc * 16 itself (a power-of-two scaling of an fp16 value) unless
- *     it leaves the fp16 range, i.e. unless |sc| >= 4096 (or sc is NaN);
+ *     |sc| >= 4096 (or sc is NaN), which the overflow bound below already excludes;
  *   - zp, both products and both sums of the .hp steps are v16z() roundings, under block8's
  *     overflow bound (D16_LIMIT, ZP_LIMIT) checked once per superblock.
  * The guards are lane masks (compares into k registers), much cheaper than the two conversions
