@@ -22,7 +22,8 @@ backend) three times, after one warm-up start, and splits a start into imports (
 -X importtime`` in both processes), the engine core's spawn, model load, warm-up, tokenizer
 and the first request.
 
-Standard library only; run it with the project's ``.venv/bin/python``.
+Standard library and :mod:`npu_conformance` only; run it with the project's
+``.venv/bin/python``.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -38,137 +40,13 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "conformance"))
+from npu_conformance.starts import load_procs, per_module, starts_of  # noqa: E402
+
 GIB = 1024 ** 3
-
-
-# ---------------------------------------------------------------------------- records
-
-
-@dataclass
-class Proc:
-    """One vLLM process's ``process`` record and its milestones (epoch seconds)."""
-
-    pid: int
-    ppid: int
-    argv: list[str]
-    created: float | None
-    loaded: float
-    target: str
-    test: str
-    label: str
-    milestones: list[tuple[str, float, str]] = field(default_factory=list)
-
-    def first(self, name: str) -> float | None:
-        return next((t for n, t, _ in self.milestones if n == name), None)
-
-
-@dataclass
-class Start:
-    """One engine: where it ran, what started it, and its phases in seconds (None: not seen)."""
-
-    kind: str  # "serve" (a vllm serve API server + its engine core), "engine" (vllm.LLM / bench)
-    who: str  # the test (or fixture label) that started it
-    target: str
-    args: str
-    front_s: float | None
-    spawn_s: float | None
-    engine_s: float | None
-    serve_s: float | None
-    total_s: float | None
-    ok: bool
-
-
-def load_procs(starts_dir: Path) -> dict[int, Proc]:
-    """Every process record under ``starts_dir`` (``<pid>.jsonl`` files), by pid."""
-    procs: dict[int, Proc] = {}
-    pending: list[dict] = []
-    for path in sorted(starts_dir.glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if rec.get("kind") == "process":
-                procs[rec["pid"]] = Proc(rec["pid"], rec["ppid"], rec.get("argv", []), rec.get("created"),
-                                         rec["loaded"], rec.get("target", ""), rec.get("test", ""),
-                                         rec.get("label", ""))
-            elif rec.get("kind") == "milestone":
-                pending.append(rec)
-    for rec in pending:
-        proc = procs.get(rec["pid"])
-        if proc is not None:
-            proc.milestones.append((rec["name"], rec["t"], rec.get("message", "")))
-    return procs
-
-
-def _test_name(test: str) -> str:
-    """``PYTEST_CURRENT_TEST`` without its phase suffix (`` (call)``, `` (setup)``)."""
-    return re.sub(r" \((setup|call|teardown)\)$", "", test)
-
-
-def _args_of(argv: list[str]) -> str:
-    if len(argv) >= 2 and argv[1] == "serve":
-        rest = argv[3:]
-        drop = {"--host", "--port"}
-        out, skip = [], False
-        for a in rest:
-            if skip:
-                skip = False
-                continue
-            if a in drop:
-                skip = True
-                continue
-            out.append(a)
-        return f"serve {Path(argv[2]).name} {' '.join(out)}".strip()
-    return " ".join(Path(a).name if a.startswith("/") else a for a in argv[:6])
-
-
-def starts_of(procs: dict[int, Proc]) -> list[Start]:
-    """One :class:`Start` per ``engine_init`` milestone (each engine core started), joined with
-    the API server process that spawned it, when there is one."""
-    out: list[Start] = []
-    for proc in procs.values():
-        inits = [t for n, t, _ in proc.milestones if n == "engine_init"]
-        readies = [t for n, t, _ in proc.milestones if n == "engine_ready"]
-        for i, t_init in enumerate(inits):
-            t_ready = next((t for t in readies if t >= t_init and (i + 1 >= len(inits) or t < inits[i + 1])), None)
-            parent = procs.get(proc.ppid)
-            is_serve = parent is not None and len(parent.argv) >= 2 and parent.argv[1] == "serve" and i == 0
-            front = spawn = serve = total = None
-            engine = None if t_ready is None else t_ready - t_init
-            if is_serve:
-                t_args = parent.first("args")
-                t_listen = parent.first("server_ready")
-                if parent.created is not None and t_args is not None:
-                    front = t_args - parent.created
-                if proc.created is not None:
-                    spawn = t_init - proc.created
-                if t_listen is not None and t_ready is not None:
-                    serve = t_listen - t_ready
-                if parent.created is not None and t_listen is not None:
-                    total = t_listen - parent.created
-                who = parent.label or _test_name(parent.test) or "(outside pytest)"
-                out.append(Start("serve", who, parent.target or "cpu", _args_of(parent.argv), front, spawn,
-                                 engine, serve, total, t_listen is not None))
-            else:
-                if i == 0 and proc.created is not None and len(proc.argv) and "multiprocessing" not in " ".join(proc.argv):
-                    spawn = t_init - proc.created  # a process of its own (vllm bench, a child script)
-                elif i == 0 and proc.created is not None:
-                    spawn = t_init - proc.created  # an engine core spawned by vllm.LLM
-                front_proc = parent if parent is not None and "multiprocessing" in " ".join(proc.argv) else proc
-                who = front_proc.label or _test_name(front_proc.test) or proc.label or _test_name(proc.test) or "(outside pytest)"
-                total = None if (spawn is None or engine is None) else spawn + engine
-                out.append(Start("engine", who, proc.target or front_proc.target or "cpu", _args_of(front_proc.argv),
-                                 None, spawn, engine, None, total, t_ready is not None))
-    return out
-
-
-def module_of(who: str) -> str:
-    return who.split("::", 1)[0] if "::" in who else who
 
 
 # ---------------------------------------------------------------------------- junit
@@ -211,6 +89,10 @@ def report(out: Path, markdown: bool = False) -> str:
         lines.append(f"wall: {meta['wall_s']:.0f} s ({meta['wall_s'] // 60:.0f} min {meta['wall_s'] % 60:.0f} s); "
                      f"exit status {meta.get('returncode')}; peak memory in use {meta.get('peak_gib', 0):.1f} GiB "
                      f"(baseline {meta.get('baseline_gib', 0):.1f} GiB); cpu: {meta.get('cpu', '')}")
+        if meta.get("cpu_busy") is not None:
+            lines.append(f"cpu busy: {100 * meta['cpu_busy']:.0f} % of all cores on average")
+        for row in meta.get("at_peak", []):
+            lines.append(f"  at the peak: {row['rss_gib']:.2f} GiB  pid {row['pid']}  {row['argv']}  {row['test']}")
     junit = out / "junit.xml"
     if junit.exists():
         counts, per_file, cases = junit_summary(junit)
@@ -218,20 +100,22 @@ def report(out: Path, markdown: bool = False) -> str:
     starts = starts_of(load_procs(out / "starts")) if (out / "starts").is_dir() else []
     serves = [s for s in starts if s.kind == "serve"]
     engines = [s for s in starts if s.kind == "engine"]
-    lines.append(f"engine starts: {len(starts)} ({len(serves)} vllm serve, {len(engines)} vllm.LLM / bench / other); "
+    refused = [s for s in starts if s.kind == "refused"]
+    lines.append(f"engine starts: {len(serves) + len(engines)} ({len(serves)} vllm serve, {len(engines)} vllm.LLM / "
+                 f"bench / other); vllm serve refused before an engine: {len(refused)}; "
                  f"sum of start seconds {sum(s.total_s or 0 for s in starts):.0f}")
-    for name, group in (("vllm serve", serves), ("other engines", engines)):
+    for name, group in (("vllm serve", serves), ("other engines", engines), ("refused", refused)):
         for phase in ("front_s", "spawn_s", "engine_s", "serve_s", "total_s"):
             vals = [getattr(s, phase) for s in group if getattr(s, phase) is not None]
             if vals:
                 lines.append(f"  {name} {phase[:-2]}: median {statistics.median(vals):.1f} s, "
                              f"max {max(vals):.1f} s, n {len(vals)}")
-    per_module = Counter(module_of(s.who) for s in starts)
+    modules = per_module(starts)
     lines.append("")
     lines.append("| starts | module (or fixture) |" if markdown else "starts per module:")
     if markdown:
         lines.append("|---|---|")
-    for mod, n in per_module.most_common():
+    for mod, n in modules.most_common():
         lines.append(f"| {n} | `{mod}` |" if markdown else f"  {n:3d}  {mod}")
     lines.append("")
     if markdown:
@@ -272,6 +156,34 @@ def _in_use() -> int:
     return fields["MemTotal"] - fields["MemAvailable"]
 
 
+def _cpu_times() -> tuple[float, float]:
+    """(busy, total) jiffies of all CPUs, from /proc/stat."""
+    fields = [float(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields)
+
+
+def _top_processes(n: int) -> list[dict]:
+    """The ``n`` processes with the largest resident set: pid, RSS in GiB, argv head and the
+    test that started them (``PYTEST_CURRENT_TEST`` in their initial environment)."""
+    rows = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            status = (proc / "status").read_text()
+            rss = int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) * 1024
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, AttributeError):
+            continue
+        test = next((e[len(b"PYTEST_CURRENT_TEST="):].decode(errors="replace") for e in environ
+                     if e.startswith(b"PYTEST_CURRENT_TEST=")), "")
+        rows.append({"pid": int(proc.name), "rss_gib": round(rss / GIB, 2),
+                     "argv": " ".join(a.decode(errors="replace") for a in argv[:4])[:160], "test": test})
+    return sorted(rows, key=lambda r: -r["rss_gib"])[:n]
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     out: Path = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -289,9 +201,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     peak = [baseline]
     done = threading.Event()
 
+    at_peak: list[dict] = []
+    busy: list[float] = []
+
     def sample() -> None:
+        last = _cpu_times()
         while not done.wait(args.every):
-            peak[0] = max(peak[0], _in_use())
+            now = _in_use()
+            cpu = _cpu_times()
+            if cpu[1] > last[1]:
+                busy.append((cpu[0] - last[0]) / (cpu[1] - last[1]))
+            last = cpu
+            if now > peak[0]:
+                peak[0] = now
+                at_peak[:] = _top_processes(5)
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
@@ -303,6 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     (out / "run.json").write_text(json.dumps({
         "command": " ".join(cmd), "cwd": str(args.root), "returncode": rc, "wall_s": wall,
         "peak_gib": peak[0] / GIB, "baseline_gib": baseline / GIB, "cpu": _cpu(),
+        "cpu_busy": statistics.mean(busy) if busy else None, "at_peak": at_peak,
         "date": time.strftime("%Y-%m-%d %H:%M"),
     }, indent=1))
     print(report(out))
@@ -335,7 +259,6 @@ def _import_seconds(log: str) -> list[float]:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    sys.path.insert(0, str(ROOT / "conformance"))
     from npu_conformance import vllm_server as vs
 
     work = args.out.resolve()
@@ -356,6 +279,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     rows = []
     for i in range(args.repeat + 1):
         prof = work / f"starts-{i}"
+        shutil.rmtree(prof, ignore_errors=True)
         env = vs.vllm_env(target, NPU_HARNESS_START_PROFILE=str(prof))
         if args.importtime:
             env["PYTHONPROFILEIMPORTTIME"] = "1"

@@ -22,7 +22,8 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     names = args.target or tg.env_targets() or [tg.SIM_ALIAS]
     try:
         tg.expand(names)
-    except tg.UnknownTargetError as exc:
+        worker_args(args.pytest_args)
+    except (tg.UnknownTargetError, ValueError) as exc:
         print(f"npu-harness conformance: {exc}", file=sys.stderr)
         return 2
     if args.vendor:
@@ -41,6 +42,7 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
                    "--report", str(out), "-q", "-rN"]
     for name in names:
         pytest_args += ["--target", name]
+    pytest_args += worker_args(args.pytest_args)
     pytest_args += args.pytest_args
     code = pytest.main(pytest_args)
     if code == pytest.ExitCode.NO_TESTS_COLLECTED or not (out / "report.json").exists():
@@ -50,6 +52,39 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
     print(report_mod.format_text(report_mod.load(out)))
     print(f"\nreport: {out / 'report.json'}, {out / 'report.md'}")
     return int(code)
+
+
+#: The variable that sets how many pytest-xdist workers ``conformance`` (and ``./dev test``) run.
+WORKERS_ENV = "NPU_HARNESS_TEST_WORKERS"
+DEFAULT_WORKERS = 2
+
+
+def worker_args(pytest_args: Sequence[str], environ: dict[str, str] | None = None) -> list[str]:
+    """The pytest-xdist arguments of a conformance run: ``-n N --dist loadfile`` (the lab-aware
+    scheduler splits the scenarios by target and module, :mod:`npu_conformance.xdist_scheduling`),
+    N from ``NPU_HARNESS_TEST_WORKERS`` (default 2; ``0``: one process, no xdist); none when the
+    user's own ``pytest_args`` choose (``-n``, ``--numprocesses``, ``-p no:xdist``) or pytest-xdist
+    is not installed.
+
+    Raises:
+        ValueError: ``NPU_HARNESS_TEST_WORKERS`` is not a whole number >= 0 (the message names it).
+    """
+    import importlib.util
+    import os
+
+    env = os.environ if environ is None else environ
+    for i, a in enumerate(pytest_args):
+        if a in ("-n", "--numprocesses") or a.startswith(("-n", "--numprocesses=", "--dist")):
+            return []
+        if a == "-p" and i + 1 < len(pytest_args) and pytest_args[i + 1] == "no:xdist":
+            return []
+    raw = env.get(WORKERS_ENV, "").strip() or str(DEFAULT_WORKERS)
+    if not raw.isdigit():
+        raise ValueError(f"{WORKERS_ENV}={raw!r}: expected a whole number of workers >= 0 (0: no xdist)")
+    n = int(raw)
+    if n == 0 or importlib.util.find_spec("xdist") is None:
+        return []
+    return ["-n", str(n), "--dist", "loadfile"]
 
 
 def _build_vendor_envs(columns: list[str]) -> int:

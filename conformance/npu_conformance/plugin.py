@@ -56,6 +56,10 @@ def pytest_configure(config: pytest.Config) -> None:
     except tg.UnknownTargetError as exc:
         raise pytest.UsageError(str(exc)) from exc
     config.pluginmanager.register(_Collector(config), "npu_conformance.collector")
+    if not hasattr(config, "workerinput"):  # the controller (or a run without xdist)
+        config.pluginmanager.register(_StartCounter(config), "npu_conformance.start_counter")
+    if _labels_starts(config):
+        config.pluginmanager.register(_StartLabels(), "npu_conformance.start_labels")
 
 
 def selected_targets(config: pytest.Config) -> list[str]:
@@ -286,3 +290,93 @@ class _Collector:
             out = self.report_dir()
             terminalreporter.write_line(
                 f"conformance report: {out / 'report.json'}, {out / 'report.md'}")
+
+
+#: Set by the outermost pytest run of a process tree to its pid: the run whose tests name the
+#: vLLM starts (a pytest run inside a test, e.g. a pytester subprocess, leaves the names alone).
+_ENV_OWNER = "NPU_HARNESS_START_OWNER"
+
+
+def _labels_starts(config: pytest.Config) -> bool:
+    """Whether this process's tests name the vLLM starts they make (see :data:`_ENV_OWNER`): the
+    outermost run, or an xdist worker of it."""
+    import os
+
+    owner = os.environ.get(_ENV_OWNER)
+    if hasattr(config, "workerinput"):
+        return owner == str(os.getppid())
+    if owner is None:
+        os.environ[_ENV_OWNER] = str(os.getpid())
+        return True
+    return owner == str(os.getpid())
+
+
+class _StartLabels:
+    """While a test runs, ``NPU_HARNESS_START_LABEL`` is its node id, so each vLLM process it
+    starts (directly or through a nested run) records the test that made it."""
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None):  # noqa: ARG002
+        import os
+
+        from npu_conformance.starts import ENV_LABEL
+
+        os.environ[ENV_LABEL] = item.nodeid
+        try:
+            return (yield)
+        finally:
+            os.environ.pop(ENV_LABEL, None)
+
+
+class _StartCounter:
+    """Counts the run's vLLM starts and holds them to the start budget (:mod:`npu_conformance.starts`).
+
+    Every vLLM process the run starts records itself in the directory ``NPU_HARNESS_START_PROFILE``
+    names: the user's, else one this plugin makes for the session (its children and xdist workers
+    inherit the variable) and removes at the end. When the run's root has
+    :data:`~npu_conformance.starts.BUDGET_FILE`, a run whose modules start vLLM more often than
+    their budgets allow (beyond :data:`~npu_conformance.starts.MARGIN`) fails, naming them.
+    """
+
+    def __init__(self, config: pytest.Config) -> None:
+        import os
+        import tempfile
+
+        from npu_conformance import starts
+
+        self.config = config
+        self.owned: str | None = None
+        if not os.environ.get(starts.ENV_DIR):
+            self.owned = tempfile.mkdtemp(prefix="npu-harness-starts-")
+            os.environ[starts.ENV_DIR] = self.owned
+        self.dir = Path(os.environ[starts.ENV_DIR])
+        self.summary: list[str] = []
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        import os
+        import shutil
+
+        from npu_conformance import starts
+
+        found = starts.starts_of(starts.load_procs(self.dir)) if self.dir.is_dir() else []
+        if found:
+            counts = starts.per_module(found)
+            self.summary.append(f"vLLM starts: {len(found)} ({sum(1 for s in found if s.kind == 'refused')} "
+                                f"refused before an engine) in {len(counts)} modules")
+            try:
+                budget = starts.read_budget(self.config.rootpath / starts.BUDGET_FILE)
+            except ValueError as exc:
+                budget, problem = None, str(exc)
+            else:
+                problem = None if budget is None else starts.check_budget(counts, budget)
+            if problem:
+                self.summary.append(f"start budget exceeded: {problem}")
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if self.owned:
+            shutil.rmtree(self.owned, ignore_errors=True)
+            os.environ.pop(starts.ENV_DIR, None)
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        for line in self.summary:
+            terminalreporter.write_line(line, red=line.startswith("start budget"))

@@ -1,12 +1,15 @@
-"""pytest-xdist ``--dist loadfile`` that keeps the device labs' scenarios on one worker.
+"""pytest-xdist ``--dist loadfile`` where a work unit of the device labs is one target's
+scenarios of one module, handed out longest first.
 
 The device labs (:func:`npu_conformance.fixtures.device_labs`: per target, one set of artifacts
-and ``vllm serve`` processes, session-scoped) exist once per xdist worker. Under plain
-``loadfile`` the serving suite (``test_serving.py``) and each device's own scenario module
-(``test_mblt_serving.py``, ...) can land on different workers, and then every target's servers
-start twice and both sets stay in memory to the end of the session. :class:`LabAwareLoadFile`
-is ``loadfile`` with one change: every scenario module of this package that uses the labs counts
-as one file (:data:`LAB_SCOPE`), so each target's servers start once.
+and ``vllm serve`` processes, session-scoped) exist once per xdist worker, and a lab runs one
+target's servers at a time. :class:`LabAwareLoadFile` is ``loadfile`` with one change: a lab-using
+scenario module (:data:`LAB_SCOPE`) is split by target, so that ``test_serving.py[mblt-sim]`` and
+``test_rbln_serving.py[rbln-sim]`` can run on two workers at once while each unit's servers
+start once on its worker (:func:`lab_unit`). A worker keeps a target's servers between two units
+of that target that it runs in a row (the labs stop them only when the next scenario is of
+another target), so a unit's ``serving_server`` is shared with the next unit's when both land
+on one worker.
 
 xdist's own ``loadgroup`` cannot do this here: it renames ``item._nodeid``, which pytest 9.2's
 ``Node.nodeid`` no longer reads.
@@ -33,20 +36,41 @@ from pathlib import Path
 
 from xdist.scheduler import LoadFileScheduling
 
-#: The one xdist work unit of every lab-using scenario module.
-LAB_SCOPE = "npu_conformance/scenarios[device_labs]"
+#: The prefix of every work unit of the lab-using scenario modules (:func:`lab_unit`).
+LAB_SCOPE = "npu_conformance/scenarios[device_labs"
 SCENARIOS = Path(__file__).resolve().parent / "scenarios"
 #: Seconds per work unit of a whole run, relative to the run's root directory.
 DURATIONS_FILE = Path("tests") / "durations.json"
 
 
+def lab_unit(target: str, module: str) -> str:
+    """The work unit of lab scenario module ``module`` (``test_serving.py``) on ``target``."""
+    return f"{LAB_SCOPE}:{target}:{module.removesuffix('.py')}]"
+
+
+def target_of(nodeid: str) -> str:
+    """The target among a scenario's parameter ids (``test_x[mblt-sim-load_cheap]`` ->
+    ``mblt-sim``), or ``""`` when none of its ``-``-separated ids starts one."""
+    from npu_conformance.targets import TARGETS
+
+    if "[" not in nodeid:
+        return ""
+    ids = nodeid[nodeid.index("[") + 1 : nodeid.rindex("]")]
+    parts = ids.split("-")
+    for i in range(len(parts)):
+        for j in range(i + 1, len(parts) + 1):
+            if "-".join(parts[i:j]) in TARGETS:
+                return "-".join(parts[i:j])
+    return ""
+
+
 def scope_of(nodeid: str, lab: frozenset[str]) -> str:
-    """The work unit of test ``nodeid``: its file, or :data:`LAB_SCOPE` for a scenario module
-    of this package whose file name is in ``lab``."""
+    """The work unit of test ``nodeid``: its file, or :func:`lab_unit` (its target and module)
+    for a scenario module of this package whose file name is in ``lab``."""
     path = nodeid.split("::", 1)[0]
     parent, _, name = path.rpartition("/")
     if name in lab and parent.endswith("npu_conformance/scenarios"):
-        return LAB_SCOPE
+        return lab_unit(target_of(nodeid), name)
     return path
 
 
@@ -89,7 +113,7 @@ def durations_from_junit(junit_xml: Path, lab: frozenset[str] | None = None) -> 
             while parts and parts[-1][:1].isupper():  # a test class, not a module
                 parts.pop()
             file = "/".join(parts) + ".py"
-        total[scope_of(file, lab)] += float(case.get("time") or 0.0)
+        total[scope_of(f"{file}::{case.get('name', '')}", lab)] += float(case.get("time") or 0.0)
     if not total:
         raise ValueError(f"{junit_xml}: no test case with a file or classname")
     return {unit: round(total[unit], 1) for unit in sorted(total)}

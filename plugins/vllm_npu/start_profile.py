@@ -11,12 +11,13 @@ API server, its engine core, a ``vllm.LLM`` in a test, a ``vllm bench`` run) app
   (``NPU_HARNESS_TARGET``), ``test`` (``PYTEST_CURRENT_TEST`` inherited from the test that
   started it) and ``label`` (``NPU_HARNESS_START_LABEL``: a fixture's own name for a start);
 - one ``milestone`` record each time vLLM logs one of :data:`MILESTONES` (its time is the log
-  record's), so ``engine_init`` counts the engines started, whatever process they run in.
+  record's, with ``test`` and ``label`` as they are then), so ``engine_init`` counts the engines
+  started, whatever process they run in (a ``vllm.LLM`` with the engine in-process included).
 
-``benchmarks/suite_profile.py`` turns the files into the start table of ``docs/benchmarks.md``;
-the conformance plugin counts the ``engine_init`` records of a test run against
-``tests/start_budget.json`` (:mod:`npu_conformance.start_budget`). Standard library only; it
-never raises into vLLM (an unwritable directory drops the records).
+:mod:`npu_conformance.starts` reads the files: ``benchmarks/suite_profile.py`` turns them into
+the start table of ``docs/benchmarks.md``, and the conformance plugin counts a test run's starts
+against ``tests/start_budget.json``. Standard library only; it never raises into vLLM (an
+unwritable directory drops the records).
 """
 
 from __future__ import annotations
@@ -45,18 +46,40 @@ _installed = False
 
 
 def _process_created() -> float | None:
-    """This process's creation time (epoch seconds), or None off Linux."""
+    """This process's creation time (epoch seconds, 10 ms resolution), or None off Linux.
+
+    ``/proc/self/stat`` gives it in clock ticks since boot; the boot's epoch time is now minus
+    ``CLOCK_BOOTTIME`` (``/proc/stat``'s ``btime`` would round it to the second)."""
     try:
         stat = Path("/proc/self/stat").read_text()
         start_ticks = int(stat.rsplit(")", 1)[1].split()[19])
-        btime = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
-                     if line.startswith("btime "))
-        return btime + start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        booted = time.time() - time.clock_gettime(time.CLOCK_BOOTTIME)
+        return booted + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
         return None
 
 
+def _process_record() -> dict:
+    return {
+        "kind": "process", "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[:12],
+        "created": _process_created(), "loaded": time.time(),
+        "target": os.environ.get("NPU_HARNESS_TARGET", ""),
+        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+        "label": os.environ.get(ENV_LABEL, ""),
+    }
+
+
+#: The process whose ``process`` record is written (a forked child inherits the factory but
+#: not vLLM's plugin loading, so its first milestone writes its record).
+_recorded_pid = 0
+
+
 def _write(directory: Path, record: dict) -> None:
+    global _recorded_pid
+    if _recorded_pid != os.getpid():
+        _recorded_pid = os.getpid()
+        if record.get("kind") != "process":
+            _write(directory, _process_record())
     try:
         with open(directory / f"{os.getpid()}.jsonl", "a", encoding="utf-8") as fh:
             fh.write(json.dumps(record) + "\n")
@@ -81,7 +104,9 @@ def _milestone_factory(directory: Path, inner):
             for name, pattern in _PATTERNS.items():
                 if pattern.search(message):
                     _write(directory, {"kind": "milestone", "name": name, "pid": os.getpid(),
-                                       "t": record.created, "message": message[:200]})
+                                       "t": record.created, "message": message[:200],
+                                       "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
+                                       "label": os.environ.get(ENV_LABEL, "")})
                     break
         return record
 
@@ -101,11 +126,5 @@ def register() -> None:
         path.mkdir(parents=True, exist_ok=True)
     except OSError:
         return
-    _write(path, {
-        "kind": "process", "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[:12],
-        "created": _process_created(), "loaded": time.time(),
-        "target": os.environ.get("NPU_HARNESS_TARGET", ""),
-        "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
-        "label": os.environ.get(ENV_LABEL, ""),
-    })
+    _write(path, _process_record())
     logging.setLogRecordFactory(_milestone_factory(path, logging.getLogRecordFactory()))

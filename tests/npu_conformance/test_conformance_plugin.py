@@ -131,7 +131,7 @@ def test_figure(target, record, n):
 
 
 
-def test_loadfile_keeps_the_lab_scenarios_on_one_worker():
+def test_loadfile_splits_the_lab_scenarios_by_target_and_module():
     from xdist.scheduler import LoadFileScheduling
 
     from npu_conformance import xdist_scheduling as xs
@@ -141,13 +141,24 @@ def test_loadfile_keeps_the_lab_scenarios_on_one_worker():
     assert "test_ime2_tiles.py" not in labs
     sched = xs.LabAwareLoadFile.__new__(xs.LabAwareLoadFile)  # _split_scope uses no other state
     split = type(sched)._split_scope
-    ids = ["conformance/npu_conformance/scenarios/test_serving.py::test_load[mblt-sim]",
-           "conformance/npu_conformance/scenarios/test_rbln_serving.py::test_impl_matrix[rbln-sim]"]
-    assert {split(sched, i) for i in ids} == {xs.LAB_SCOPE}
-    other = "conformance/npu_conformance/scenarios/test_ime2_tiles.py::test_x[ime2-qemu]"
+    base = "conformance/npu_conformance/scenarios/"
+    assert split(sched, base + "test_serving.py::test_load[mblt-sim]") == xs.lab_unit("mblt-sim", "test_serving.py")
+    assert split(sched, base + "test_serving.py::test_hostile_input[mblt-sim]") == \
+        split(sched, base + "test_serving.py::test_load[mblt-sim]")
+    # the target is found among the ids wherever it stands, whatever else they hold
+    assert split(sched, base + "test_mblt_serving.py::test_prefix_cost_model_measured[mblt-sim-load_cheap]") == \
+        xs.lab_unit("mblt-sim", "test_mblt_serving.py")
+    assert split(sched, base + "test_mblt_vlm.py::test_vlm_greedy[qwen2_vl-mblt-sim]") == \
+        xs.lab_unit("mblt-sim", "test_mblt_vlm.py")
+    units = {split(sched, base + n) for n in ("test_serving.py::test_load[mblt-sim]",
+                                              "test_serving.py::test_load[rbln-sim]",
+                                              "test_rbln_serving.py::test_impl_matrix[rbln-sim]")}
+    assert len(units) == 3 and all(u.startswith(xs.LAB_SCOPE) for u in units)
+    other = base + "test_ime2_tiles.py::test_x[ime2-qemu]"
     assert split(sched, other) == LoadFileScheduling._split_scope(sched, other)
     assert split(sched, "tests/test_cli.py::test_a") == "tests/test_cli.py"
     assert split(sched, "mine/test_serving.py::test_a") == "mine/test_serving.py"
+    assert xs.target_of("x.py::test_a[n1]") == "" and xs.target_of("x.py::test_a") == ""
 
 
 class _Node:
@@ -211,18 +222,20 @@ def test_durations_from_a_junit_report_sum_each_work_unit(tmp_path):
         '<testcase classname="tests.vllm_npu.test_isa_serve" name="test_b" time="20"/>'
         '<testcase classname="tests.test_cli.TestHelp" name="test_c" time="1.5"/>'
         '<testcase classname="conformance.npu_conformance.scenarios.test_serving" name="test_d[mblt-sim]" time="30"/>'
-        '<testcase classname="conformance.npu_conformance.scenarios.test_rbln_serving" name="test_e" time="12"/>'
+        '<testcase classname="conformance.npu_conformance.scenarios.test_serving" name="test_g[mblt-sim]" time="5"/>'
+        '<testcase classname="conformance.npu_conformance.scenarios.test_rbln_serving" name="test_e[rbln-sim]" time="12"/>'
         '<testcase classname="conformance.npu_conformance.scenarios.test_ime2_tiles" name="test_f" time="3"/>'
         '</testsuite></testsuites>')
     assert xs.durations_from_junit(junit) == {
         "conformance/npu_conformance/scenarios/test_ime2_tiles.py": 3.0,
-        xs.LAB_SCOPE: 42.0,
+        xs.lab_unit("mblt-sim", "test_serving.py"): 35.0,
+        xs.lab_unit("rbln-sim", "test_rbln_serving.py"): 12.0,
         "tests/test_cli.py": 1.5,
         "tests/vllm_npu/test_isa_serve.py": 120.2,
     }
     out = tmp_path / "durations.json"
     assert xs.main([str(junit), str(out)]) == 0
-    assert xs.read_durations(out)[xs.LAB_SCOPE] == 42.0
+    assert xs.read_durations(out)[xs.lab_unit("mblt-sim", "test_serving.py")] == 35.0
     empty = tmp_path / "empty.xml"
     empty.write_text("<testsuites/>")
     with pytest.raises(ValueError, match="no test case"):
@@ -231,12 +244,14 @@ def test_durations_from_a_junit_report_sum_each_work_unit(tmp_path):
 
 def test_the_committed_durations_cover_the_suite_s_long_units(pytestconfig):
     # tests/durations.json is what orders ./dev test's queue (refresh it with the module's main
-    # from a whole run's --junitxml report). The lab scenarios are the longest unit there.
+    # from a whole run's --junitxml report): it knows every lab unit of every serving target.
     from npu_conformance import xdist_scheduling as xs
 
     seconds = xs.read_durations(pytestconfig.rootpath / xs.DURATIONS_FILE)
     assert seconds, f"{xs.DURATIONS_FILE} is missing or empty"
-    assert max(seconds, key=seconds.get) == xs.LAB_SCOPE
+    for target in ("mblt-sim", "rbln-sim", "neuron-sim"):
+        assert xs.lab_unit(target, "test_serving.py") in seconds, target
+    assert xs.lab_unit("mblt-sim", "test_mblt_serving.py") in seconds
 
 
 

@@ -119,8 +119,16 @@ class DeviceLab:
     target: str
     workdir: Path
     servers: dict[str, vs.Server] = field(default_factory=dict)
+    _pinned: set[str] = field(default_factory=set)
     _refusals: int = 0
     _started: int = 0
+
+    #: How many servers besides the pinned one (:meth:`serving_server`'s, which scenarios of
+    #: several modules share) a lab keeps running: before another starts, the least recently
+    #: used is stopped. The scenarios that share a server run next to each other (file order;
+    #: a parameter that picks a server is module-scoped), so each distinct server still starts
+    #: once, while a lab holds at most this many + 1 servers (about 1.2 GiB each) in memory.
+    keep_servers: ClassVar[int] = 2
 
     #: The device family (``mblt``...).
     device: ClassVar[str] = ""
@@ -186,24 +194,36 @@ class DeviceLab:
         """
         return vs.start(artifact, args, env=self.env(**env), log=log, timeout_s=timeout_s, command=self.command())
 
-    def server(self, artifact: Path, args: Sequence[str] = (), **env: str) -> vs.Server:
+    def server(self, artifact: Path, args: Sequence[str] = (), *, pin: bool = False, **env: str) -> vs.Server:
         """A running, healthy ``vllm serve ARTIFACT ARGS`` (started once per session per
-        combination, and again when an earlier scenario left it dead or unhealthy).
+        combination while it is among the :attr:`keep_servers` most recently used, and again
+        when an earlier scenario left it dead or unhealthy). ``pin``: never stopped to make room
+        (the shared :meth:`serving_server`).
 
         Raises:
             vllm_server.ServerError: it exited or did not become healthy.
         """
         key = json.dumps([str(artifact), list(args), env], sort_keys=True)
-        srv = self.servers.get(key)
+        if pin:
+            self._pinned.add(key)
+        srv = self.servers.pop(key, None)
         if srv is not None and srv.healthy():
+            self.servers[key] = srv  # now the most recently used
             return srv
         if srv is not None:  # an earlier scenario left it dead or its engine stopped: start anew
             srv.stop()
+        self._make_room(keep=self.keep_servers - (0 if key in self._pinned else 1))
         log = self.workdir / f"serve-{self._started}.log"  # a restarted server gets a new log
         self._started += 1
         srv = self.start(artifact, args, log, **env)
         self.servers[key] = srv
         return srv
+
+    def _make_room(self, keep: int) -> None:
+        """Stop the least recently used unpinned servers until at most ``keep`` remain."""
+        unpinned = [k for k in self.servers if k not in self._pinned]
+        for key in unpinned[: max(0, len(unpinned) - keep)]:
+            self.servers.pop(key).stop()
 
     def fault_server(self, kind: str) -> tuple[vs.Server, FaultPlan]:
         """A server started with :meth:`fault` ``(kind)`` and its plan.

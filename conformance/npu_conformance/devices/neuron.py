@@ -65,7 +65,7 @@ class NeuronLab(TinyModelLab):
         return args
 
     def serving_server(self) -> vs.Server:
-        return self.server(self.hf_dir(), self.serving_args())
+        return self.server(self.hf_dir(), self.serving_args(), pin=True)
 
     def fault(self, kind: str) -> FaultPlan:
         """``NPUSIM_NEFF`` execution failures from the 11th on (see the module docstring).

@@ -62,7 +62,7 @@ class RblnLab(TinyModelLab):
     refusals: ClassVar[tuple[Refusal, ...]] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
 
     def serving_server(self) -> vs.Server:
-        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS])
+        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS], pin=True)
 
     def fault(self, kind: str) -> FaultPlan:
         """``NPUSIM_RBLN`` runtime-call failures from the 11th call on (see the module docstring).

@@ -174,7 +174,7 @@ def _answer(res) -> tuple[list[int], list[int], str]:
     return list(res.body["prompt_token_ids"]), list(choice["token_ids"]), choice["message"]["content"]
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "qwen3_vl_dynamic", "qwen3_vl_batch"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl", "qwen3_vl_dynamic", "qwen3_vl_batch"], scope="module")
 def test_vlm_greedy(target, record, device_labs, kind):
     """A chat turn with an image: the prompt ids are the template's with the image pads expanded,
     and the answer is the golden pipeline's greedy tokens (dynamic Qwen3-VL: two images too);
@@ -213,7 +213,7 @@ def test_vlm_greedy(target, record, device_labs, kind):
     record.figure("prompt_tokens", len(prompt))
 
 
-@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"], scope="module")
 def test_vlm_image_rules(target, record, device_labs, kind):
     """A static release takes exactly one image and no video per request (400 naming the count);
     in a session (``vllm_xargs.session_id``) later turns are text-only or re-send the image at the
