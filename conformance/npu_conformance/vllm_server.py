@@ -21,6 +21,9 @@ from typing import Any
 
 #: How long a ``vllm serve`` may take to become healthy (engine start-up is ~35-65 s here).
 START_TIMEOUT_S = 600.0
+#: Seconds between two looks at a starting server (``/health`` and the process): a refused
+#: connection costs microseconds, and a server is used as soon as it listens.
+POLL_S = 0.2
 
 
 class ServerError(RuntimeError):
@@ -200,7 +203,7 @@ def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[st
         if time.monotonic() > deadline:
             server.stop()
             raise ServerError(f"vllm serve not healthy after {timeout_s:.0f} s:\n{server.log_text()[-4000:]}")
-        time.sleep(1)
+        time.sleep(POLL_S)
 
 
 def stream_lines(server: Server, path: str, payload: Mapping[str, Any], timeout: float = 300.0) -> Iterator[dict]:
