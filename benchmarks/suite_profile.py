@@ -110,6 +110,11 @@ def report(out: Path, markdown: bool = False) -> str:
             if vals:
                 lines.append(f"  {name} {phase[:-2]}: median {statistics.median(vals):.1f} s, "
                              f"max {max(vals):.1f} s, n {len(vals)}")
+    procs = load_procs(out / "starts") if (out / "starts").is_dir() else {}
+    with_cpu = [p for p in procs.values() if p.cpu_s is not None]
+    if with_cpu:
+        lines.append(f"CPU of the vLLM processes that exited normally: {sum(p.cpu_s for p in with_cpu):.0f} s "
+                     f"in {len(with_cpu)} of {len(procs)} processes")
     modules = per_module(starts)
     lines.append("")
     lines.append("| starts | module (or fixture) |" if markdown else "starts per module:")

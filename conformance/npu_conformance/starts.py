@@ -49,6 +49,9 @@ class Proc:
     label: str
     #: (name, time, message, test, label) of each milestone.
     milestones: list[tuple[str, float, str, str, str]] = field(default_factory=list)
+    #: CPU seconds (user + system) and end time from its ``exit`` record; None when it was killed.
+    cpu_s: float | None = None
+    ended: float | None = None
 
     def first(self, name: str) -> float | None:
         return next((m[1] for m in self.milestones if m[0] == name), None)
@@ -103,11 +106,15 @@ def load_procs(starts_dir: Path) -> dict[int, Proc]:
                 procs[rec["pid"]] = Proc(rec["pid"], rec["ppid"], list(rec.get("argv", [])), rec.get("created"),
                                          rec["loaded"], rec.get("target", ""), rec.get("test", ""),
                                          rec.get("label", ""))
-            elif rec.get("kind") == "milestone":
+            elif rec.get("kind") in ("milestone", "exit"):
                 pending.append(rec)
     for rec in pending:
         proc = procs.get(rec["pid"])
-        if proc is not None:
+        if proc is None:
+            continue
+        if rec["kind"] == "exit":
+            proc.cpu_s, proc.ended = rec.get("cpu_s"), rec.get("t")
+        else:
             proc.milestones.append((rec["name"], rec["t"], rec.get("message", ""), rec.get("test", ""),
                                     rec.get("label", "")))
     for proc in procs.values():

@@ -4,12 +4,13 @@ scenarios of one module, handed out longest first.
 The device labs (:func:`npu_conformance.fixtures.device_labs`: per target, one set of artifacts
 and ``vllm serve`` processes, session-scoped) exist once per xdist worker, and a lab runs one
 target's servers at a time. :class:`LabAwareLoadFile` is ``loadfile`` with one change: a lab-using
-scenario module (:data:`LAB_SCOPE`) is split by target, so that ``test_serving.py[mblt-sim]`` and
-``test_rbln_serving.py[rbln-sim]`` can run on two workers at once while each unit's servers
-start once on its worker (:func:`lab_unit`). A worker keeps a target's servers between two units
-of that target that it runs in a row (the labs stop them only when the next scenario is of
-another target), so a unit's ``serving_server`` is shared with the next unit's when both land
-on one worker.
+scenario module (:data:`LAB_SCOPE`) is split by target, so that ``test_mblt_serving.py[mblt-sim]``
+and ``test_rbln_serving.py[rbln-sim]`` run on two workers at once while each unit's servers
+start once on its worker (:func:`lab_unit`). The device-neutral serving suite joins each
+target's device module (:data:`SERVING_SUITE`): both use the lab's standard server. A worker
+keeps a target's servers between two units of that target that it runs in a row (the labs stop
+them only when the next scenario is of another target), so a unit's ``serving_server`` is
+shared with the next unit's when both land on one worker.
 
 xdist's own ``loadgroup`` cannot do this here: it renames ``item._nodeid``, which pytest 9.2's
 ``Node.nodeid`` no longer reads.
@@ -64,13 +65,27 @@ def target_of(nodeid: str) -> str:
     return ""
 
 
+#: The device-neutral serving suite: on a target, it joins the unit of that device's own scenario
+#: module (``test_<device>_serving.py``), with which it shares the lab's standard server.
+SERVING_SUITE = "test_serving.py"
+
+
 def scope_of(nodeid: str, lab: frozenset[str]) -> str:
     """The work unit of test ``nodeid``: its file, or :func:`lab_unit` (its target and module)
-    for a scenario module of this package whose file name is in ``lab``."""
+    for a scenario module of this package whose file name is in ``lab``; the serving suite's
+    scenarios on a target join that target's device module (:data:`SERVING_SUITE`) when ``lab``
+    has one."""
     path = nodeid.split("::", 1)[0]
     parent, _, name = path.rpartition("/")
     if name in lab and parent.endswith("npu_conformance/scenarios"):
-        return lab_unit(target_of(nodeid), name)
+        target = target_of(nodeid)
+        if name == SERVING_SUITE and target:
+            from npu_conformance.targets import TARGETS
+
+            own = f"test_{TARGETS[target].device}_serving.py"
+            if own in lab:
+                name = own
+        return lab_unit(target, name)
     return path
 
 

@@ -12,7 +12,9 @@ API server, its engine core, a ``vllm.LLM`` in a test, a ``vllm bench`` run) app
   started it) and ``label`` (``NPU_HARNESS_START_LABEL``: a fixture's own name for a start);
 - one ``milestone`` record each time vLLM logs one of :data:`MILESTONES` (its time is the log
   record's, with ``test`` and ``label`` as they are then), so ``engine_init`` counts the engines
-  started, whatever process they run in (a ``vllm.LLM`` with the engine in-process included).
+  started, whatever process they run in (a ``vllm.LLM`` with the engine in-process included);
+- one ``exit`` record when the process ends normally (``SIGTERM`` included, which vLLM turns into
+  an orderly exit): its CPU seconds, so a run's CPU can be split between starts and serving.
 
 :mod:`npu_conformance.starts` reads the files: ``benchmarks/suite_profile.py`` turns them into
 the start table of ``docs/benchmarks.md``, and the conformance plugin counts a test run's starts
@@ -22,6 +24,7 @@ unwritable directory drops the records).
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -128,3 +131,11 @@ def register() -> None:
         return
     _write(path, _process_record())
     logging.setLogRecordFactory(_milestone_factory(path, logging.getLogRecordFactory()))
+    atexit.register(_exit_record, path)
+    os.register_at_fork(after_in_child=lambda: atexit.register(_exit_record, path))
+
+
+def _exit_record(directory: Path) -> None:
+    """The ``exit`` record: this process's CPU seconds (user + system) and its end time."""
+    times = os.times()
+    _write(directory, {"kind": "exit", "pid": os.getpid(), "t": time.time(), "cpu_s": times.user + times.system})

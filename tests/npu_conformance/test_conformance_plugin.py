@@ -142,18 +142,22 @@ def test_loadfile_splits_the_lab_scenarios_by_target_and_module():
     sched = xs.LabAwareLoadFile.__new__(xs.LabAwareLoadFile)  # _split_scope uses no other state
     split = type(sched)._split_scope
     base = "conformance/npu_conformance/scenarios/"
-    assert split(sched, base + "test_serving.py::test_load[mblt-sim]") == xs.lab_unit("mblt-sim", "test_serving.py")
-    assert split(sched, base + "test_serving.py::test_hostile_input[mblt-sim]") == \
-        split(sched, base + "test_serving.py::test_load[mblt-sim]")
+    # the serving suite joins the device's own module on each target (both use the standard server)
+    assert split(sched, base + "test_serving.py::test_load[mblt-sim]") == \
+        xs.lab_unit("mblt-sim", "test_mblt_serving.py")
+    assert split(sched, base + "test_serving.py::test_hostile_input[rbln-sim]") == \
+        split(sched, base + "test_rbln_serving.py::test_impl_matrix[rbln-sim]") == xs.lab_unit("rbln-sim", "test_rbln_serving.py")
+    assert split(sched, base + "test_serving.py::test_load[ref]") == xs.lab_unit("ref", "test_serving.py")
     # the target is found among the ids wherever it stands, whatever else they hold
     assert split(sched, base + "test_mblt_serving.py::test_prefix_cost_model_measured[mblt-sim-load_cheap]") == \
         xs.lab_unit("mblt-sim", "test_mblt_serving.py")
     assert split(sched, base + "test_mblt_vlm.py::test_vlm_greedy[qwen2_vl-mblt-sim]") == \
         xs.lab_unit("mblt-sim", "test_mblt_vlm.py")
     units = {split(sched, base + n) for n in ("test_serving.py::test_load[mblt-sim]",
+                                              "test_mblt_vlm.py::test_vlm_video[mblt-sim]",
                                               "test_serving.py::test_load[rbln-sim]",
-                                              "test_rbln_serving.py::test_impl_matrix[rbln-sim]")}
-    assert len(units) == 3 and all(u.startswith(xs.LAB_SCOPE) for u in units)
+                                              "test_serving.py::test_load[neuron-sim]")}
+    assert len(units) == 4 and all(u.startswith(xs.LAB_SCOPE) for u in units)
     other = base + "test_ime2_tiles.py::test_x[ime2-qemu]"
     assert split(sched, other) == LoadFileScheduling._split_scope(sched, other)
     assert split(sched, "tests/test_cli.py::test_a") == "tests/test_cli.py"
@@ -228,14 +232,14 @@ def test_durations_from_a_junit_report_sum_each_work_unit(tmp_path):
         '</testsuite></testsuites>')
     assert xs.durations_from_junit(junit) == {
         "conformance/npu_conformance/scenarios/test_ime2_tiles.py": 3.0,
-        xs.lab_unit("mblt-sim", "test_serving.py"): 35.0,
+        xs.lab_unit("mblt-sim", "test_mblt_serving.py"): 35.0,
         xs.lab_unit("rbln-sim", "test_rbln_serving.py"): 12.0,
         "tests/test_cli.py": 1.5,
         "tests/vllm_npu/test_isa_serve.py": 120.2,
     }
     out = tmp_path / "durations.json"
     assert xs.main([str(junit), str(out)]) == 0
-    assert xs.read_durations(out)[xs.lab_unit("mblt-sim", "test_serving.py")] == 35.0
+    assert xs.read_durations(out)[xs.lab_unit("mblt-sim", "test_mblt_serving.py")] == 35.0
     empty = tmp_path / "empty.xml"
     empty.write_text("<testsuites/>")
     with pytest.raises(ValueError, match="no test case"):
@@ -249,9 +253,9 @@ def test_the_committed_durations_cover_the_suite_s_long_units(pytestconfig):
 
     seconds = xs.read_durations(pytestconfig.rootpath / xs.DURATIONS_FILE)
     assert seconds, f"{xs.DURATIONS_FILE} is missing or empty"
-    for target in ("mblt-sim", "rbln-sim", "neuron-sim"):
-        assert xs.lab_unit(target, "test_serving.py") in seconds, target
-    assert xs.lab_unit("mblt-sim", "test_mblt_serving.py") in seconds
+    for target, device in (("mblt-sim", "mblt"), ("rbln-sim", "rbln"), ("neuron-sim", "neuron")):
+        assert xs.lab_unit(target, f"test_{device}_serving.py") in seconds, target
+    assert xs.lab_unit("mblt-sim", "test_mblt_vlm.py") in seconds
 
 
 

@@ -71,3 +71,32 @@ def test_the_lab_replaces_a_server_left_unhealthy_or_dead(tmp_path, monkeypatch)
         lab.close()
         for srv, _ in started:
             srv.stop()
+
+
+def test_the_lab_keeps_its_pinned_server_and_the_most_recently_used_others(tmp_path, monkeypatch):
+    started: list[tuple[vs.Server, Path]] = []
+
+    def start(self, artifact, args, log, **kw):
+        started.append(_fake_server(tmp_path, len(started)))
+        return started[-1][0]
+
+    monkeypatch.setattr(DeviceLab, "start", start)
+    monkeypatch.setattr(DeviceLab, "keep_servers", 2)
+    lab = DeviceLab("mblt-sim", tmp_path)
+    try:
+        pinned = lab.server(Path("std"), pin=True)
+        a = lab.server(Path("a"))
+        b = lab.server(Path("b"))
+        assert lab.server(Path("a")) is a             # now the most recently used of the two
+        c = lab.server(Path("c"))                     # a third unpinned one: b, the least recent, stops
+        assert not b.alive() and a.alive() and c.alive() and pinned.alive()
+        assert len(started) == 4 and sorted(map(id, lab.servers.values())) == sorted(map(id, (pinned, a, c)))
+        assert lab.server(Path("std"), pin=True) is pinned   # never stopped to make room
+        d = lab.server(Path("d"))
+        assert not a.alive() and pinned.alive() and len(lab.servers) == 3
+        assert lab.server(Path("b")) is not b and len(started) == 6  # b again: a new start (c made room)
+        assert not c.alive() and d.alive()
+    finally:
+        lab.close()
+        for srv, _ in started:
+            srv.stop()

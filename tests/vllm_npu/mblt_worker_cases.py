@@ -144,8 +144,11 @@ def make_worker():
 
     made = []
 
-    def make(model_dir, *, load=True, **kw):
-        w = MbltWorker(vllm_config(model_dir, **kw), 0, 0, "tcp://127.0.0.1:0")
+    def make(model_dir, *, load=True, edit=None, **kw):
+        cfg = vllm_config(model_dir, **kw)
+        if edit is not None:  # what the platform could not see (a capacity it could not read)
+            edit(cfg)
+        w = MbltWorker(cfg, 0, 0, "tcp://127.0.0.1:0")
         made.append(w)
         w.init_device()
         if load:
@@ -631,10 +634,21 @@ def test_no_free_slot_message(artifact, make_worker):
         d.step()
 
 
-def test_max_model_len_above_kv_capacity_is_refused(artifact, make_worker):
+def test_max_model_len_above_kv_capacity_is_refused_before_an_engine(artifact):
+    # the platform reads the MXQ's capacity while vLLM builds its config (the API server's part)
+    with pytest.raises(Exception, match=r"max_model_len=512 exceeds the KV capacity of the MXQ .*model\.mxq "
+                                        r"\(256 tokens per cache id\)\. Pass --max-model-len 256 or lower"):
+        vllm_config(artifact("k4", 4), max_model_len=512)
+
+
+def test_max_model_len_above_kv_capacity_is_refused_by_the_worker_too(artifact, make_worker):
+    # a value the platform let through (it could not read the capacity) meets the worker's check
     from vllm_npu.mblt.settings import MbltConfigError
 
-    w = make_worker(artifact("k4", 4), max_model_len=512, load=False)
+    def over(cfg):
+        cfg.model_config.max_model_len = 512
+
+    w = make_worker(artifact("k4", 4), max_model_len=256, load=False, edit=over)
     with pytest.raises(MbltConfigError, match=r"max_model_len=512 exceeds the KV capacity .* \(256 tokens per cache id\)"):
         w.load_model()
     assert w.backend is None

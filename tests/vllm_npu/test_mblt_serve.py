@@ -562,8 +562,13 @@ def test_lm_eval_local_completions_scores_equal_the_golden_decoder(server, artif
     model_args = ",".join([f"model={server.model}", f"base_url={server.base}/v1/completions",
                            "tokenizer_backend=huggingface", f"tokenizer={artifacts['main']}",
                            "tokenized_requests=True", "num_concurrent=4", "max_retries=1"])
+    # lm-eval and the packages only it needs live off sys.path (requirements/lm-eval.txt), so that
+    # no vLLM process of the suite imports scikit-learn/SciPy/pandas; its client process adds them.
+    extras = Path(sys.prefix) / "extras" / "lm-eval"
+    assert (extras / "lm_eval").is_dir(), f"lm-eval is not in {extras} (ci/setup.sh installs requirements/lm-eval.txt)"
     env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"))
+               HF_DATASETS_CACHE=str(tmp_path / "hf-datasets"),
+               PYTHONPATH=os.pathsep.join(filter(None, [str(extras), os.environ.get("PYTHONPATH", "")])))
     done = subprocess.run([sys.executable, "-m", "lm_eval", "--model", "local-completions", "--model_args", model_args,
                            "--tasks", "tiny_choice", "--include_path", str(tasks), "--output_path", str(out),
                            "--log_samples"], env=env, capture_output=True, text=True, timeout=900)

@@ -240,6 +240,8 @@ def test_refuses_oversized_max_model_len(target, record, device_labs):
         raise AssertionError(f"{exc}; a {len(prompt)}-token prompt then got HTTP {res.status} and the server was "
                              f"{after} (KV capacity {capacity} tokens per cache id)") from None
     assert f"max_model_len={capacity * 2}" in log and f"({capacity} tokens per cache id)" in log, log[-3000:]
+    # refused by the platform in the API server, before an engine core started
+    assert "Initializing a V1 LLM engine" not in log, log[-3000:]
     record.figure("capacity_tokens", capacity)
 
 
@@ -313,6 +315,7 @@ def test_moe_start_rules(target, record, device_labs):
     log = lab.refused_start(release, ["--max-model-len", str(declared)], **lab.moe_env())
     assert (f"max_model_len={declared} exceeds the KV capacity of the Mixture-of-Experts release's shared MXQs "
             f"({capacity} tokens per cache id)") in log, log[-3000:]
+    assert "Initializing a V1 LLM engine" not in log, log[-3000:]  # refused before an engine started
     record.figure("shared_kv_capacity", capacity)
 
 

@@ -56,14 +56,23 @@ def artifact_config(vllm_config: Any) -> dict[str, Any]:
     return hf.to_dict() if hasattr(hf, "to_dict") else dict(vars(hf))
 
 
-def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: Any) -> None:
-    """Without ``--max-model-len``, clamp vLLM's ``max_model_len`` (the artifact's declared
-    ``max_position_embeddings``) to what the MXQs hold, with a log line, as vllm-mblt does for its
-    releases whose config declares more than their MXQs hold: the MXQ's KV capacity; for a
+def _fit_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: Any, explicit: bool) -> None:
+    """Fit vLLM's ``max_model_len`` to what the MXQs hold: the MXQ's KV capacity; for a
     Mixture-of-Experts release that of its shared MXQs (read from layer 0's); for an EAGLE-3
-    release :func:`eagle3_max_model_len` of its base and draft MXQs. An explicit over-capacity
-    value is left for the worker to refuse. Nothing changes when the capacity cannot be read here
-    (no target selected, no ``mxq_path``, a runtime error): the worker then reports the cause."""
+    release :func:`eagle3_max_model_len` of its base and draft MXQs.
+
+    Without ``--max-model-len`` (``explicit`` False) the value vLLM took from the artifact's declared
+    ``max_position_embeddings`` is clamped to it, with a log line, as vllm-mblt does for its
+    releases whose config declares more than their MXQs hold. An explicit value above the KV
+    capacity of an MXQ or MoE release is refused here, in the API server, with the worker's own
+    message, so that ``vllm serve`` stops before it starts an engine (an EAGLE-3 limit is left to
+    the worker, whose message names both MXQs' capacities). Nothing changes when the capacity
+    cannot be read here (no target selected, no ``mxq_path``, a runtime error): the worker then
+    reports the cause.
+
+    Raises:
+        vllm_npu.mblt.settings.MbltConfigError: an explicit ``max_model_len`` above the KV capacity.
+    """
     from vllm_npu.mblt import eagle3_backend, moe_backend, settings
     from vllm_npu.mblt.backend import kv_capacity
     from vllm_npu.mblt.runtime import load_runtime
@@ -74,6 +83,8 @@ def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: 
     if target not in ("mblt-sim", "mblt-hw"):
         return
     if eagle3_backend.is_eagle3_release(artifact):
+        if explicit:
+            return
         source, what = "release", "the EAGLE-3 base and draft MXQs"
 
         def read(runtime: Any) -> tuple[int, str]:
@@ -84,6 +95,7 @@ def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: 
         def read(runtime: Any) -> tuple[int, str]:
             capacity = moe_backend.MoeRelease(model_config.model, artifact).shared_kv_capacity(runtime)
             return capacity, f"the KV capacity of {what}"
+        refused_what = "the Mixture-of-Experts release's shared MXQs"  # the worker's words
     else:
         path = settings.mxq_path_of(model_config.model, artifact, overrides)
         if path is None or not os.path.isfile(path):
@@ -92,10 +104,17 @@ def _clamp_max_model_len(vllm_config: Any, artifact: dict[str, Any], overrides: 
 
         def read(runtime: Any) -> tuple[int, str]:
             return kv_capacity(runtime, path), f"the KV capacity of {path}"
+        refused_what = f"the MXQ {path}"
     try:
         capacity, reason = read(load_runtime(target))
     except Exception as exc:  # noqa: BLE001 - the worker loads the MXQs again and raises its error
         logger.debug("MBLT platform: KV capacity of %s not read here (%s)", what, exc)
+        return
+    if explicit:
+        if model_config.max_model_len > capacity:
+            raise settings.MbltConfigError(
+                f"max_model_len={model_config.max_model_len} exceeds the KV capacity of {refused_what} "
+                f"({capacity} tokens per cache id). Pass --max-model-len {capacity} or lower.")
         return
     if model_config.max_model_len > capacity:
         logger.warning(
@@ -142,7 +161,7 @@ def _eagle3_capacity(runtime: Any, model_dir: str, artifact: dict[str, Any], ove
 
 def _eagle3_rules(artifact: dict[str, Any], overrides: Any) -> None:
     """An EAGLE-3 release: one sequence per base MXQ (its ``max_model_len`` is clamped as any
-    artifact's: :func:`_clamp_max_model_len`).
+    artifact's: :func:`_fit_max_model_len`).
 
     Raises:
         vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1 (from the loader extra
@@ -291,7 +310,7 @@ def _vlm_rules(vllm_config: Any, artifact: dict[str, Any], overrides: Any) -> bo
 
 def _moe_rules(artifact: dict[str, Any], overrides: Any) -> None:
     """A Mixture-of-Experts release: one sequence at a time, placement by role (its
-    ``max_model_len`` is clamped as any artifact's: :func:`_clamp_max_model_len`).
+    ``max_model_len`` is clamped as any artifact's: :func:`_fit_max_model_len`).
 
     Raises:
         vllm_npu.mblt.settings.MbltConfigError: ``max_batch_size`` above 1 (from the loader extra
@@ -371,8 +390,7 @@ class MbltPlatform(NpuPlatform):
             cls._serving_vlm = (str(vlm_family(artifact)), multi_item)
             # the scheduler serves the text MXQ: its max_batch_size, core mode and prefill chunk
             plan_artifact, plan_overrides = settings.vlm_role_view(artifact, overrides, "text")
-        if user["max_model_len"] is None:
-            _clamp_max_model_len(vllm_config, artifact, overrides)
+        _fit_max_model_len(vllm_config, artifact, overrides, explicit=user["max_model_len"] is not None)
         plan = settings.plan_scheduler(
             plan_artifact,
             plan_overrides,
