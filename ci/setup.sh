@@ -83,26 +83,37 @@ quiet() {
   return "$rc"
 }
 if [[ -n "$UV" ]]; then
-  # Where packages come from is pip's configuration here (pip.conf, PIP_* variables: a local
-  # directory holding torch 2.13.0+cpu, a mirror, the PyTorch CPU index): uv gets the same places,
-  # and considers every version on all of them, as pip does.
-  SOURCES=(--index-strategy unsafe-best-match)
+  # Where packages come from is pip's configuration here (pip.conf, PIP_* variables): its index
+  # (default PyPI) and find-links directories (this machine's torch 2.13.0+cpu) serve every
+  # install; its extra indexes (a local mirror, the PyPI CPU index of torch) serve torch alone.
+  # uv takes all files of a version from one index, so a mirror holding only a package's
+  # pure-Python wheel (soundfile without its libsndfile) would win over PyPI's binary one.
+  SOURCES=(); EXTRA=(--index-strategy unsafe-best-match)
   while IFS= read -r line; do
     key=${line%%=*}; val=${line#*=}; val=${val#\'}; val=${val%\'}
     case "${key##*.}" in
       index-url) SOURCES+=(--default-index "$val") ;;
-      extra-index-url) for u in $val; do SOURCES+=(--index "$u"); done ;;
+      extra-index-url) for u in $val; do EXTRA+=(--index "$u"); done ;;
       find-links) for u in $val; do SOURCES+=(--find-links "$u"); done ;;
     esac
   done < <("$PY" -m pip config list 2>/dev/null | sort -u)
   [[ -x "$VENV/bin/python" ]] || { say "creating $VENV (uv venv)"; "$UV" venv -q --seed --python "$PY" "$VENV"; }
-  install() { quiet "$UV" pip install -q --python "$VENV/bin/python" "${SOURCES[@]}" "$@"; }
+  # A step uv cannot do (an index it cannot reach...) is done again by pip, which reads the same
+  # configuration itself.
+  UV_MORE=()
+  install() {
+    quiet "$UV" pip install -q --python "$VENV/bin/python" "${SOURCES[@]}" "${UV_MORE[@]}" "$@" && return 0
+    say "uv failed; pip does this step"
+    quiet "$VENV/bin/python" -m pip --disable-pip-version-check -q install "$@"
+  }
+  install_torch() { UV_MORE=("${EXTRA[@]}"); install "$@"; UV_MORE=(); }
 else
   [[ -x "$VENV/bin/python" ]] || { say "creating $VENV"; "$PY" -m venv "$VENV"; }
   install() { quiet "$VENV/bin/python" -m pip --disable-pip-version-check -q install "$@"; }
+  install_torch() { install "$@"; }
 fi
 say "installing torch 2.13.0+cpu"
-install "torch==2.13.0+cpu"
+install_torch "torch==2.13.0+cpu"
 say "installing the pinned lock ($(grep -c . requirements/lock.txt) packages)"
 install -r requirements/lock.txt
 say "installing lm-eval and what only it needs into $VENV/extras/lm-eval (off sys.path: requirements/lm-eval.txt)"
