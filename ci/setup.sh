@@ -100,9 +100,14 @@ if [[ -n "$UV" ]]; then
   [[ -x "$VENV/bin/python" ]] || { say "creating $VENV (uv venv)"; "$UV" venv -q --seed --python "$PY" "$VENV"; }
   # A step uv cannot do (an index it cannot reach...) is done again by pip, which reads the same
   # configuration itself.
+  # --compile-bytecode: pip writes every module's .pyc at install, uv only when asked. Without them
+  # every vLLM process compiles torch, transformers and vLLM from source at each start (where
+  # PYTHONDONTWRITEBYTECODE is set, as on this project's machines, nothing is ever cached): twice
+  # the start-up time.
   UV_MORE=()
   install() {
-    quiet "$UV" pip install -q --python "$VENV/bin/python" "${SOURCES[@]}" "${UV_MORE[@]}" "$@" && return 0
+    quiet "$UV" pip install -q --compile-bytecode --python "$VENV/bin/python" "${SOURCES[@]}" "${UV_MORE[@]}" "$@" \
+      && return 0
     say "uv failed; pip does this step"
     quiet "$VENV/bin/python" -m pip --disable-pip-version-check -q install "$@"
   }
@@ -139,6 +144,8 @@ say "installing npu-harness (editable) and the vllm distribution record"
 install --no-deps --no-build-isolation -e . ./tools/vllm-dist-metadata
 say "installing the vendor-name alias hook (NPU_HARNESS_TARGET=rbln-sim: import rebel -> npusim.rbln)"
 "$VENV/bin/npu-harness" alias install --env "$VENV" >/dev/null
+say "compiling this project's modules (the installed packages were compiled as they were installed)"
+"$VENV/bin/python" -m compileall -q -j 0 plugins simulators conformance >/dev/null
 say "waiting for the IME2 kernel build (started before the installs)"
 wait "$KERNEL_BUILD" || { cat "$KERNEL_LOG" >&2; echo "[setup] error: the IME2 kernel build failed" >&2; exit 1; }
 say "building the riscv64 IME2 test driver into the user cache (npu-harness ime2 build-driver)"

@@ -227,7 +227,7 @@ def test_refuses_oversized_max_model_len(target, record, device_labs):
     art = _artifact(lab, k=1, max_cache_size=256) if lab.simulated else _artifact(lab, k=0)
     capacity = lab.kv_capacity(art)
     args = ["--max-model-len", str(capacity * 2)]
-    try:
+    try:  # a fresh start: the start itself must be refused
         log = lab.refused_start(art, args)
     except AssertionError as exc:  # it started: show what a prompt past the KV capacity then does
         srv = lab.start(art, args, lab.workdir / "oversized-started.log")
@@ -267,6 +267,7 @@ def test_injected_startup_faults(target, record, device_labs):
     if not lab.simulated:
         pytest.skip("faults are injected only into the simulator")
     art = _artifact(lab, k=4, chunk=128)
+    # fresh starts: the faults strike at launch, and the starts must be refused
     log = lab.refused_start(art, ["--max-model-len", MAX_MODEL_LEN], NPUSIM_MXQ=json.dumps({"bad_alloc_at_launch": 1}))
     assert "MobilintBackendAllocError" in log and "BadAlloc" in log, log[-3000:]
     log = lab.refused_start(art, ["--max-model-len", MAX_MODEL_LEN], NPUSIM_MXQ=json.dumps({"no_device": True}))
@@ -303,6 +304,7 @@ def test_moe_greedy(target, record, device_labs):
 def test_moe_start_rules(target, record, device_labs):
     lab = _lab(device_labs, target)
     release = _moe(lab)
+    # fresh starts: each rule is a start refused (no engine is started for the second)
     log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"max_batch_size": 2})],
                             **lab.moe_env())
     assert ("Mixture-of-Experts models support only non-batch serving, but max_batch_size=2 was configured."
@@ -434,7 +436,7 @@ def test_eagle3_start_rules(target, record, device_labs):
     prefix caching is off and max_num_seqs is 1 (every request feeds its whole prompt)."""
     lab = _lab(device_labs, target)
     release = _eagle3(lab)
-    log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"max_batch_size": 2})])
+    log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"max_batch_size": 2})])  # a refused start
     assert "EAGLE-3 models serve one sequence per base MXQ, but max_batch_size=2 was configured." in log, log[-3000:]
     [cfg] = lab.engine_configs([["--model", str(release), "--enable-prefix-caching"]])
     assert "error" not in cfg, cfg
@@ -681,7 +683,7 @@ def test_asr_start_rules(target, record, device_labs):
         assert cfg["max_model_len"] == 2048 and cfg["enable_prefix_caching"] is False, cfg
     assert runs[0]["max_num_seqs"] == 1, runs[0]  # no max_batch_size declared: one sequence, as --max-num-seqs 1
     assert "--limit-mm-per-prompt audio=2" in runs[2]["error"], runs[2]
-    log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"mxq_path": "decoder.mxq"})])
+    log = lab.refused_start(release, ["--model-loader-extra-config", json.dumps({"mxq_path": "decoder.mxq"})])  # refused
     assert "a single top-level mxq_path is only meaningful for single-module text models" in log, log[-3000:]
     record.figure("max_model_len", runs[0]["max_model_len"])
 

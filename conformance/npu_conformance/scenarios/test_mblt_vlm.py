@@ -324,7 +324,7 @@ def test_vlm_start_rules(target, record, device_labs):
                                ["--model", str(case.release), "--limit-mm-per-prompt", json.dumps({"image": 2})]])
     assert "error" not in runs[0], runs[0]
     assert "--limit-mm-per-prompt image=2" in runs[1].get("error", ""), runs[1]
-    log = lab.refused_start(case.release, ["--model-loader-extra-config", json.dumps({"mxq_path": "text.mxq"})])
+    log = lab.refused_start(case.release, ["--model-loader-extra-config", json.dumps({"mxq_path": "text.mxq"})])  # refused
     assert "vision_mxq_path" in log and "text_mxq_path" in log, log[-3000:]
     if lab.simulated:
         env = {"NPUSIM_MXQ": json.dumps({"devices": 2})}
@@ -352,7 +352,7 @@ def test_vlm_start_rules(target, record, device_labs):
         batch = compile_artifact(lab.workdir / "tiny-qwen3_vl", lab.workdir / "qwen3_vl-batch-static-release",
                                  max_batch_size=4, prefill_chunk_size=64,
                                  vlm={"vision": "static", "text_layout": "bundled"})
-        log = lab.refused_start(batch)
+        log = lab.refused_start(batch)  # a fresh start: the release itself is refused at load
         assert "Batched Qwen3-VL text MXQs without a RoPE input are unsupported" in log, log[-3000:]
     record.figure("max_model_len", runs[0]["max_model_len"])
 

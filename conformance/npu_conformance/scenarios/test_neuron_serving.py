@@ -234,7 +234,7 @@ def test_config_rejections(target, record, device_labs):
         assert code == 1 and any(want in e for e in errors), f"{args}: {want!r} not in {errors}"
     code, plan = results[-1]  # every error of one configuration at once
     assert code == 1 and len(plan["errors"]) >= 2, plan["errors"]
-    # the same rule from a real start: the server exits with the message
+    # the same rule from a real (fresh) start: the server exits with the message
     log = lab.refused_start(lab.hf_dir(), [*_BASE, *_neuron_cfg(ep_degree=2)])
     assert "ep_degree=2 requires --enable-expert-parallel to be set." in log
     record.figure("rejections", sum(1 for r in _REJECTIONS if r[2]) + 4)
@@ -263,7 +263,7 @@ def test_memory_budget(target, record, device_labs):
     assert off_code == 0, off["errors"]
     assert big_code == 1 and any("below minimum threshold" in e and "VLLM_NEURON_RESERVED_HEADROOM_GIB" in e
                                  for e in big["errors"]), big["errors"]
-    log = lab.refused_start(lab.hf_dir(), [*_BASE, "--gpu-memory-utilization", "0.1"])
+    log = lab.refused_start(lab.hf_dir(), [*_BASE, "--gpu-memory-utilization", "0.1"])  # a refused start
     assert "Computed KV cache budget is below minimum threshold." in log
     record.figure("fractional_cap_gib", round(b["available_bytes"] / 2**30, 3))
     record.figure("headroom_gib", round(h["available_bytes"] / 2**30, 3))
@@ -342,6 +342,7 @@ def test_warm_start_and_compiled_artifacts(target, record, device_labs):
     art.mkdir()
     prompt = _prompts(1, 30, seed=31)[0]
     logs, outs = [], []
+    # fresh starts: what a start compiles, and what a restart reuses, is the subject
     for i, env in enumerate(({}, {"NEURON_COMPILED_ARTIFACTS": str(art)}, {"NEURON_COMPILED_ARTIFACTS": str(art)})):
         srv = vs.start(lab.hf_dir(), lab.serving_args(), env=lab.env(**env), log=lab.workdir / f"warm-{i}.log")
         try:

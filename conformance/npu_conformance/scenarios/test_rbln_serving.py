@@ -157,6 +157,7 @@ def test_option_rejections(target, record, device_labs):
 
 
 def _start(lab, args, log_name: str, cache) -> tuple[vs.Server, float]:
+    """A fresh server: what a start compiles, and what a restart finds in the cache, is the subject."""
     t0 = time.perf_counter()
     srv = lab.start(lab.hf_dir(), args, lab.workdir / log_name, VLLM_CACHE_ROOT=str(cache))
     return srv, time.perf_counter() - t0
@@ -315,7 +316,7 @@ def test_vllm_path_served(target, record, device_labs):
     assert "RBLN recompile" not in log, "a shape warm-up did not compile ran while serving"
     # a second start of the same configuration loads the compile cache the first one wrote
     assert "Saved rbln mega-cache bundle to" in log
-    t0 = time.perf_counter()
+    t0 = time.perf_counter()  # a restart: it must load the mega-cache bundle instead of compiling
     again = lab.start(lab.hf_dir(), VLLM_PATH_ARGS, lab.workdir / "vllm-path-again.log", **env)
     try:
         took = time.perf_counter() - t0

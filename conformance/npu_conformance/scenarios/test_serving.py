@@ -457,6 +457,7 @@ def test_prompt_logprobs(target, record, device_labs):
 
 
 def _fault_server(lab: DeviceLab, kind: str):
+    # a server of its own: the fault is armed in the device from its start (NPUSIM_* variables)
     try:
         return lab.fault_server(kind)
     except FaultsUnsupported as exc:
