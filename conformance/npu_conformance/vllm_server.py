@@ -53,15 +53,51 @@ def vllm_command() -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 
 
+def default_cache_root(environ: Mapping[str, str] | None = None) -> Path:
+    """vLLM's cache root for ``environ`` (default ``os.environ``), as ``vllm.envs`` resolves it:
+    ``VLLM_CACHE_ROOT``, else ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``."""
+    environ = os.environ if environ is None else environ
+    if environ.get("VLLM_CACHE_ROOT"):
+        return Path(environ["VLLM_CACHE_ROOT"]).expanduser()
+    xdg = environ.get("XDG_CACHE_HOME") or str(Path(environ.get("HOME") or Path.home()) / ".cache")
+    return Path(xdg).expanduser() / "vllm"
+
+
+def share_model_infos(cache_root: Path, shared_root: Path | None = None) -> None:
+    """Make ``cache_root/modelinfos`` a link to ``shared_root/modelinfos`` (default: the cache
+    root of this process's environment) unless ``cache_root`` already has one.
+
+    ``modelinfos`` is vLLM's cache of what its model registry learnt by importing a model class
+    in a subprocess (~15 CPU-seconds per start with a cold cache); each entry is keyed by a hash
+    of the model module's source and written atomically, so every cache root may share one.
+    The rest of a private cache root (compiled graphs, NEFFs, RBLN bundles) stays private.
+    """
+    shared = (shared_root or default_cache_root()) / "modelinfos"
+    link = cache_root / "modelinfos"
+    if shared.resolve() == link.resolve() or link.exists() or link.is_symlink():
+        return
+    try:
+        shared.mkdir(parents=True, exist_ok=True)
+        cache_root.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(shared, target_is_directory=True)
+    except FileExistsError:  # another process linked it first
+        pass
+
+
 def vllm_env(target: str | None = None, **extra: str) -> dict[str, str]:
     """Environment for a vLLM child: ``NPU_HARNESS_TARGET=target`` (unset when None), 1 GiB
-    CPU KV cache, offline, no usage stats."""
+    CPU KV cache, offline, no usage stats.
+
+    A ``VLLM_CACHE_ROOT`` in ``extra`` (a private cache of a test or lab session) shares vLLM's
+    model-info cache with this environment's cache root (:func:`share_model_infos`)."""
     env = {k: v for k, v in os.environ.items() if k != "NPU_HARNESS_TARGET"}
     env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                TOKENIZERS_PARALLELISM="false")
     if target:
         env["NPU_HARNESS_TARGET"] = target
     env.update(extra)
+    if extra.get("VLLM_CACHE_ROOT"):
+        share_model_infos(Path(extra["VLLM_CACHE_ROOT"]))
     return env
 
 
