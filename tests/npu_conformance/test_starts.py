@@ -128,14 +128,16 @@ def test_the_label_names_match_the_writer():
 # ----------------------------------------------------------------------------- the plugin
 
 _FAKE_START = '''
-import json, os, time
+import itertools, json, os, time
 from pathlib import Path
+
+_SEQ = itertools.count()
 
 def fake_start(n=1):
     """What a vLLM process of this test writes (the plugin's format), ``n`` times."""
     d = Path(os.environ["NPU_HARNESS_START_PROFILE"])
     for i in range(n):
-        pid = 10_000_000 + len(list(d.glob("*.jsonl")))
+        pid = 10_000_000 + os.getpid() * 100 + next(_SEQ)  # unique across xdist workers writing at once
         rec = {"kind": "process", "pid": pid, "ppid": 1, "argv": ["vllm", "serve", "/m"], "created": time.time(),
                "loaded": time.time(), "target": "", "test": "", "label": os.environ.get("NPU_HARNESS_START_LABEL", "")}
         (d / f"{pid}.jsonl").write_text(json.dumps(rec) + "\\n")
