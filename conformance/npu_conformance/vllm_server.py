@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from npu_conformance import prefork
+
 #: How long a ``vllm serve`` may take to become healthy (engine start-up is ~35-65 s here).
 START_TIMEOUT_S = 600.0
 #: Seconds between two looks at a starting server (``/health`` and the process): a refused
@@ -138,7 +140,7 @@ def multipart(fields: Mapping[str, str], files: Mapping[str, tuple[str, bytes, s
 class Server:
     """A running ``vllm serve``. ``base`` is ``http://127.0.0.1:PORT``."""
 
-    proc: subprocess.Popen
+    proc: subprocess.Popen | prefork.PreforkProcess
     base: str
     model: str
     log: Path
@@ -212,18 +214,28 @@ def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[st
           log: Path, timeout_s: float = START_TIMEOUT_S, command: Sequence[str] | None = None) -> Server:
     """Start ``vllm serve MODEL ARGS`` on a free port and wait for ``/health``.
 
-    ``command`` replaces the ``vllm`` console script (e.g. ``[python, "-m",
-    "vllm.entrypoints.cli.main"]`` to run it under another interpreter).
+    The ``vllm`` console script is forked from a prefork zygote (:mod:`npu_conformance.prefork`:
+    the same program, without re-importing torch and transformers) unless
+    ``NPU_HARNESS_PREFORK=0``; ``command`` replaces the console script (e.g. ``[python, "-m",
+    "vllm.entrypoints.cli.main"]`` to run it under another interpreter) and always starts a
+    new process.
 
     Raises:
         ServerError: the process exited, or was not healthy within ``timeout_s`` (it is
             stopped; the message carries the log's last 4000 characters).
+        prefork.PreforkError: the zygote did not start or fork.
+        ValueError: ``NPU_HARNESS_PREFORK`` is neither ``0`` nor ``1``.
     """
     port = free_port()
-    cmd = [*(command or vllm_command()), "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
+    base = list(command or vllm_command())
+    cmd = [*base, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
-        proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env))
+        proc: subprocess.Popen | prefork.PreforkProcess
+        if command is None and len(base) == 1 and prefork.enabled():
+            proc = prefork.launch(cmd, env=env, stdout=fh.fileno())
+        else:
+            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env))
     server = Server(proc, f"http://127.0.0.1:{port}", str(model), log)
     deadline = time.monotonic() + timeout_s
     while True:

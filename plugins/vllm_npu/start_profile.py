@@ -5,7 +5,8 @@ vLLM general plugin ``start_profile`` (entry point ``vllm.general_plugins``). In
 API server, its engine core, a ``vllm.LLM`` in a test, a ``vllm bench`` run) appends to
 ``<dir>/<pid>.jsonl``:
 
-- one ``process`` record when the plugin first loads there: ``pid``, ``ppid``, ``argv``, the
+- one ``process`` record when the plugin first loads there: ``pid``, ``ppid`` (the process that
+  asked for it: ``NPU_HARNESS_START_PPID`` when ``npu_conformance.prefork`` forked it), ``argv``, the
   process's creation time (``created``, from ``/proc``, 10 ms resolution), ``loaded`` (now:
   the interpreter start and vLLM's imports lie between the two), ``target``
   (``NPU_HARNESS_TARGET``), ``test`` (``PYTEST_CURRENT_TEST`` inherited from the test that
@@ -35,6 +36,7 @@ from pathlib import Path
 
 ENV_DIR = "NPU_HARNESS_START_PROFILE"
 ENV_LABEL = "NPU_HARNESS_START_LABEL"
+ENV_PPID = "NPU_HARNESS_START_PPID"
 
 #: Milestone name -> the vLLM log message (a regular expression) that marks it.
 MILESTONES: dict[str, str] = {
@@ -62,9 +64,17 @@ def _process_created() -> float | None:
         return None
 
 
+def _parent() -> int:
+    """The process that started this one: ``NPU_HARNESS_START_PPID`` when the harness's prefork
+    zygote forked it for a ``multiprocessing`` spawn (consumed here, so this process's own
+    children do not inherit it), else ``os.getppid()``."""
+    asked = os.environ.pop(ENV_PPID, "")
+    return int(asked) if asked.isdigit() else os.getppid()
+
+
 def _process_record() -> dict:
     return {
-        "kind": "process", "pid": os.getpid(), "ppid": os.getppid(), "argv": sys.argv[:12],
+        "kind": "process", "pid": os.getpid(), "ppid": _parent(), "argv": sys.argv[:12],
         "created": _process_created(), "loaded": time.time(),
         "target": os.environ.get("NPU_HARNESS_TARGET", ""),
         "test": os.environ.get("PYTEST_CURRENT_TEST", ""),
