@@ -223,7 +223,12 @@ class Zygote:
             conn.close()
             raise PreforkError(f"the prefork zygote did not fork {argv[:2]}: {exc}:\n"
                                f"{self.log.read_text(errors='replace')[-4000:]}") from exc
-        return conn, struct.unpack("!q", raw)[0]
+        pid = struct.unpack("!q", raw)[0]
+        if pid == 0:
+            conn.close()
+            raise PreforkError(f"the prefork zygote refused {kind} {list(argv)[:3]}:\n"
+                               f"{self.log.read_text(errors='replace')[-2000:]}")
+        return conn, pid
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -276,6 +281,42 @@ def zygote_for(env: Mapping[str, str]) -> Zygote:
                 _zygotes.popitem(last=False)[1].close()
         _zygotes.move_to_end(key)
         return zygote
+
+
+def run_python(code: str, args: Sequence[str] = (), *, env: Mapping[str, str], timeout: float,
+               python: str | None = None) -> subprocess.CompletedProcess:
+    """``subprocess.run([python, "-c", code, *args], env=env, capture_output=True, text=True,
+    timeout=timeout)``, forked from this process's zygote for ``env`` when ``python`` is this
+    interpreter (the default) and :func:`enabled`; a new interpreter otherwise.
+
+    For the harness's own probes that import vLLM to ask it something (a resolved engine
+    config, a Neuron plan): the program runs as ``python -c`` would run it.
+
+    Raises:
+        subprocess.TimeoutExpired: it ran longer than ``timeout`` seconds (it is killed).
+        PreforkError: the zygote did not start or fork.
+    """
+    python = python or sys.executable
+    cmd = [python, "-c", code, *args]
+    if python != sys.executable or not enabled():
+        return subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout)
+    zygote = zygote_for(env)
+    with open(os.devnull, "rb") as devnull, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        conn, pid = zygote.fork("python", ["-c", code, *args], env, os.getcwd(),
+                                {0: devnull.fileno(), 1: out.fileno(), 2: err.fileno()},
+                                spawn_executable=str(zygote.launcher))
+        proc = PreforkProcess(conn, pid, cmd)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise
+        texts = []
+        for f in (out, err):
+            f.seek(0)
+            texts.append(f.read().decode(errors="replace"))
+    return subprocess.CompletedProcess(cmd, proc.returncode, texts[0], texts[1])
 
 
 def launch(argv: Sequence[str], *, env: Mapping[str, str], stdout: int, cwd: str | None = None) -> PreforkProcess:

@@ -1,5 +1,6 @@
 """The prefork zygote: an interpreter that imported vLLM's third-party dependencies once and
-forks a ``vllm serve`` (or the engine core it spawns) on request.
+forks a ``vllm serve`` (or the engine core it spawns, or a harness probe's ``python -c``) on
+request.
 
 This file is the zygote's whole program. :mod:`npu_conformance.prefork` starts it as
 ``python -c <this file's source> SOCKET PRELOAD...`` (so nothing of ``npu_conformance`` is
@@ -19,13 +20,15 @@ What a child is (what a new interpreter running the same command would be, excep
 docstring of :mod:`npu_conformance.prefork` lists):
 
 - ``kind == "serve"``: ``argv[0]`` is the ``vllm`` console script; it runs as ``__main__``
-  (``runpy.run_path``) with ``sys.argv = argv`` and ``sys.path[0]`` its directory; with
-  ``spawn_executable`` in the request, :func:`multiprocessing.set_executable` gets it first
-  (``npu_conformance/prefork_spawn.py``: the child's own spawns come back here);
-- ``kind == "spawn"``: ``argv`` is ``[*FLAGS, "-c", PROGRAM, "--multiprocessing-fork"]`` as
-  :mod:`multiprocessing`'s spawn start method writes it, where ``FLAGS`` must be this
+  (``runpy.run_path``) with ``sys.argv = argv`` and ``sys.path[0]`` its directory;
+- ``kind == "python"``: ``argv`` is ``[*FLAGS, "-c", PROGRAM, *ARGS]``, what follows the
+  interpreter in a ``python -c`` command line, where ``FLAGS`` must be none or this
   interpreter's own (else the answer is pid 0: refused); ``PROGRAM`` runs as a ``python -c``
-  would run it;
+  would run it (``sys.argv == ["-c", *ARGS]``, a new ``__main__``, ``sys.path[0] == ""``);
+- ``kind == "spawn"``: the same, for :mod:`multiprocessing`'s spawn start method: ``PROGRAM``
+  must be its ``spawn_main`` call and ``ARGS`` ``["--multiprocessing-fork"]``;
+- with ``spawn_executable`` in the request, :func:`multiprocessing.set_executable` gets it
+  first (a launcher of ``npu_conformance/prefork_spawn.py``: the child's spawns come back here);
 - its descriptors are exactly ``fds`` (every other one is closed), its environment exactly
   ``env``, its directory ``cwd``; the interpreter's exit (non-daemon threads joined, ``atexit``
   handlers run, stdio flushed) follows the program's end, with its exit code.
@@ -127,21 +130,22 @@ def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
     _fresh_process_state([sys.executable, *argv])
     code: object = 0
     try:
+        if request.get("spawn_executable"):
+            import multiprocessing
+
+            multiprocessing.set_executable(request["spawn_executable"])
         if request["kind"] == "serve":
             import runpy
 
             sys.argv = argv
             sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
-            if request.get("spawn_executable"):
-                import multiprocessing
-
-                multiprocessing.set_executable(request["spawn_executable"])
             runpy.run_path(argv[0], run_name="__main__")
         else:
             import types
 
-            program = argv[-2]
-            sys.argv = ["-c", argv[-1]]
+            i = argv.index("-c")
+            program = argv[i + 1]
+            sys.argv = ["-c", *argv[i + 2:]]
             main = types.ModuleType("__main__")
             main.__dict__["__builtins__"] = __builtins__
             sys.modules["__main__"] = main
@@ -228,19 +232,26 @@ def _serve(listener: socket.socket) -> None:
 
 
 def _acceptable(request: dict) -> bool:
-    """A ``serve`` request, or a ``spawn`` whose interpreter flags are this interpreter's own
-    (``-B``, ``-X``, ``-W``... as ``multiprocessing`` derives them; a child forked from here
-    has exactly these) followed by ``-c <spawn_main program> --multiprocessing-fork``."""
-    if request.get("kind") == "serve":
+    """``serve``; or ``python`` / ``spawn`` whose argv is ``[*FLAGS, "-c", PROGRAM, *ARGS]``
+    with FLAGS none or this interpreter's own (``-B``, ``-X``, ``-W``... as ``multiprocessing``
+    derives them; a child forked from here has exactly these, and a new interpreter with the
+    zygote's environment and no flags would too); ``spawn`` also needs PROGRAM to be
+    ``multiprocessing``'s ``spawn_main`` call and ARGS ``["--multiprocessing-fork"]``."""
+    kind = request.get("kind")
+    if kind == "serve":
         return True
-    if request.get("kind") != "spawn":
+    if kind not in ("python", "spawn"):
         return False
     import subprocess
 
     argv = list(request.get("argv", ()))
-    flags = subprocess._args_from_interpreter_flags()
-    return (argv[:-3] == flags and len(argv) == len(flags) + 3 and argv[-3] == "-c"
-            and bool(SPAWN_PROGRAM.fullmatch(argv[-2])) and argv[-1] == "--multiprocessing-fork")
+    if "-c" not in argv:
+        return False
+    i = argv.index("-c")
+    if argv[:i] not in ([], subprocess._args_from_interpreter_flags()) or len(argv) < i + 2:
+        return False
+    return kind == "python" or (bool(SPAWN_PROGRAM.fullmatch(argv[i + 1]))
+                                and argv[i + 2:] == ["--multiprocessing-fork"])
 
 
 def _start_child(listener: socket.socket, children: dict, watched: dict) -> None:

@@ -244,3 +244,19 @@ def test_the_preloaded_modules_are_ones_vllm_s_processes_import_anyway():
                          env=vs.vllm_env(None))
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_run_python_is_subprocess_run_of_python_c(zygotes, monkeypatch, tmp_path):
+    code = "import os, sys; print(sys.argv, sys.path[0] == '', os.getppid()); print('to stderr', file=sys.stderr); sys.exit(4)"
+    monkeypatch.chdir(tmp_path)
+    got = prefork.run_python(code, ["x", "y z"], env=_env(), timeout=60)
+    want = subprocess.run([sys.executable, "-c", code, "x", "y z"], env=_env(), capture_output=True, text=True)
+    (zygote,) = zygotes.values()
+    assert (got.returncode, got.stderr) == (want.returncode, want.stderr) == (4, "to stderr\n")
+    assert got.stdout.rsplit(" ", 1)[0] == want.stdout.rsplit(" ", 1)[0] == "['-c', 'x', 'y z'] True"
+    assert int(got.stdout.split()[-1]) == zygote.proc.pid and got.args == [sys.executable, "-c", code, "x", "y z"]
+    monkeypatch.setenv(prefork.ENV_SWITCH, "0")
+    assert int(prefork.run_python(code, env=_env(), timeout=60).stdout.split()[-1]) == os.getpid()
+    monkeypatch.delenv(prefork.ENV_SWITCH)
+    with pytest.raises(subprocess.TimeoutExpired):
+        prefork.run_python("import time; time.sleep(30)", env=_env(), timeout=0.5)

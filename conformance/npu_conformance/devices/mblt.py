@@ -24,12 +24,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
+from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
 from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
@@ -399,8 +399,7 @@ class MbltLab(DeviceLab):
         through vLLM's own ``EngineArgs.create_engine_config`` with this target's platform,
         in one subprocess. An argument list vLLM rejects gives ``{"error": message}``."""
         runs = [[*r, *self.probe_args] for r in runs]
-        proc = subprocess.run([self.python, "-c", _PROBE, json.dumps(runs)],
-                              env=self.env(), capture_output=True, text=True, timeout=600)
+        proc = prefork.run_python(_PROBE, [json.dumps(runs)], env=self.env(), timeout=600, python=self.python)
         found = [json.loads(line[len(CONFIG_MARK):]) for line in proc.stdout.splitlines()
                  if line.startswith(CONFIG_MARK)]
         if len(found) != len(runs):

@@ -21,12 +21,11 @@ stops, so every request in flight gets an error.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
 from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
@@ -116,8 +115,8 @@ def plans(lab: DeviceLab, model: Path, runs: list[tuple[list[str], dict[str, str
         RuntimeError: the child failed before printing every result (its stderr attached).
     """
     payload = [[["--model", str(model), *args], env] for args, env in runs]
-    proc = subprocess.run([sys.executable, "-c", _PLANS, json.dumps(payload)], env=lab.env(VLLM_LOGGING_STREAM="ext://sys.stderr"),
-                          capture_output=True, text=True, timeout=900)
+    proc = prefork.run_python(_PLANS, [json.dumps(payload)], env=lab.env(VLLM_LOGGING_STREAM="ext://sys.stderr"),
+                              timeout=900)
     mark = "NPU_HARNESS_PLAN "
     found = [json.loads(line[len(mark):]) for line in proc.stdout.splitlines() if line.startswith(mark)]
     if len(found) != len(runs):

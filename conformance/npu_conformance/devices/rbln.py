@@ -25,6 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
 from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
@@ -120,10 +121,7 @@ def engine_configs(lab: DeviceLab, runs: list[list[str]], **env: str) -> list[di
     Raises:
         RuntimeError: the probe itself failed (its stderr attached).
     """
-    import subprocess
-
-    proc = subprocess.run([lab.python, "-c", _PROBE, json.dumps(runs)], env=lab.env(**env),
-                          capture_output=True, text=True, timeout=600)
+    proc = prefork.run_python(_PROBE, [json.dumps(runs)], env=lab.env(**env), timeout=600, python=lab.python)
     mark = "NPU_HARNESS_CONFIG "
     found = [json.loads(line[len(mark):]) for line in proc.stdout.splitlines() if line.startswith(mark)]
     if len(found) != len(runs):

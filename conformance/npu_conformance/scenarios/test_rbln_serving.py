@@ -38,6 +38,7 @@ import time
 
 import pytest
 
+from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
 from npu_conformance.devices import rbln as rd
 from npu_conformance.devices.base import golden_ids as _golden
@@ -73,13 +74,11 @@ def _compiled_dir(lab):
     process with the target's ``rebel``."""
     out = lab.workdir / "aot-compiled"
     if not (out / "rbln_config.json").exists():
-        import subprocess
-
         code = ("import sys; from optimum.rbln import RBLNLlamaForCausalLM as M; "
                 "M.from_pretrained(sys.argv[1], export=True, model_save_dir=sys.argv[2], "
                 "rbln_config={'batch_size': 2, 'max_seq_len': 1024})")
-        proc = subprocess.run([lab.python, "-c", code, str(lab.hf_dir()), str(out)], env=lab.env(),
-                              capture_output=True, text=True, timeout=600)
+        proc = prefork.run_python(code, [str(lab.hf_dir()), str(out)], env=lab.env(), timeout=600,
+                                  python=lab.python)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 
