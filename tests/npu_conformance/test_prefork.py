@@ -249,6 +249,7 @@ def test_the_preloaded_modules_are_ones_vllm_s_processes_import_anyway():
 def test_run_python_is_subprocess_run_of_python_c(zygotes, monkeypatch, tmp_path):
     code = "import os, sys; print(sys.argv, sys.path[0] == '', os.getppid()); print('to stderr', file=sys.stderr); sys.exit(4)"
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(prefork.ENV_SWITCH, "1")  # whatever the run's own setting
     got = prefork.run_python(code, ["x", "y z"], env=_env(), timeout=60)
     want = subprocess.run([sys.executable, "-c", code, "x", "y z"], env=_env(), capture_output=True, text=True)
     (zygote,) = zygotes.values()
@@ -257,6 +258,6 @@ def test_run_python_is_subprocess_run_of_python_c(zygotes, monkeypatch, tmp_path
     assert int(got.stdout.split()[-1]) == zygote.proc.pid and got.args == [sys.executable, "-c", code, "x", "y z"]
     monkeypatch.setenv(prefork.ENV_SWITCH, "0")
     assert int(prefork.run_python(code, env=_env(), timeout=60).stdout.split()[-1]) == os.getpid()
-    monkeypatch.delenv(prefork.ENV_SWITCH)
+    monkeypatch.setenv(prefork.ENV_SWITCH, "1")
     with pytest.raises(subprocess.TimeoutExpired):
         prefork.run_python("import time; time.sleep(30)", env=_env(), timeout=0.5)
