@@ -31,6 +31,7 @@ import atexit
 import json
 import os
 import select
+import shlex
 import shutil
 import signal
 import socket
@@ -245,12 +246,8 @@ def spawn_launcher(socket_path: str) -> str:
     which hands a spawn start to the zygote at ``socket_path`` and relays its exit code and
     signals; anything that is not a plain spawn start runs the real interpreter."""
     proxy = Path(__file__).with_name("prefork_spawn.py")
-    return (f"#!/bin/sh\nexec {_sh(sys.executable)} -S -E {_sh(str(proxy))} {_sh(socket_path)} "
-            f"{_sh(sys.executable)} \"$@\"\n")
-
-
-def _sh(word: str) -> str:
-    return "'" + word.replace("'", "'\\''") + "'"
+    words = " ".join(shlex.quote(w) for w in (sys.executable, "-S", "-E", str(proxy), socket_path, sys.executable))
+    return f"#!/bin/sh\nexec {words} \"$@\"\n"
 
 
 _lock = threading.Lock()
@@ -300,12 +297,9 @@ def run_python(code: str, args: Sequence[str] = (), *, env: Mapping[str, str], t
     cmd = [python, "-c", code, *args]
     if python != sys.executable or not enabled():
         return subprocess.run(cmd, env=dict(env), capture_output=True, text=True, timeout=timeout)
-    zygote = zygote_for(env)
-    with open(os.devnull, "rb") as devnull, tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        conn, pid = zygote.fork("python", ["-c", code, *args], env, os.getcwd(),
-                                {0: devnull.fileno(), 1: out.fileno(), 2: err.fileno()},
-                                spawn_executable=str(zygote.launcher))
-        proc = PreforkProcess(conn, pid, cmd)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = launch(["-c", code, *args], env=env, stdout=out.fileno(), stderr=err.fileno(), kind="python")
+        proc.args = cmd
         try:
             proc.wait(timeout)
         except subprocess.TimeoutExpired:
@@ -319,9 +313,12 @@ def run_python(code: str, args: Sequence[str] = (), *, env: Mapping[str, str], t
     return subprocess.CompletedProcess(cmd, proc.returncode, texts[0], texts[1])
 
 
-def launch(argv: Sequence[str], *, env: Mapping[str, str], stdout: int, cwd: str | None = None) -> PreforkProcess:
-    """Start ``argv`` (the ``vllm`` console script and its arguments) as a forked child with
-    ``env``, stdin ``/dev/null`` and ``stdout`` (a descriptor) as its stdout and stderr.
+def launch(argv: Sequence[str], *, env: Mapping[str, str], stdout: int, stderr: int | None = None,
+           cwd: str | None = None, kind: str = "serve") -> PreforkProcess:
+    """Start ``argv`` as a forked child with ``env``, stdin ``/dev/null``, ``stdout`` (a
+    descriptor) as its stdout and ``stderr`` (default: ``stdout``) as its stderr. ``kind``
+    ``serve``: ``argv`` is the ``vllm`` console script and its arguments; ``python``: what
+    follows the interpreter in a ``python -c`` command line (:mod:`npu_conformance.prefork_zygote`).
 
     The child's ``multiprocessing`` spawns go to the same zygote (:func:`spawn_launcher`).
 
@@ -330,7 +327,7 @@ def launch(argv: Sequence[str], *, env: Mapping[str, str], stdout: int, cwd: str
     """
     zygote = zygote_for(env)
     with open(os.devnull, "rb") as devnull:
-        conn, pid = zygote.fork("serve", list(argv), env, cwd or os.getcwd(),
-                                {0: devnull.fileno(), 1: stdout, 2: stdout},
+        conn, pid = zygote.fork(kind, list(argv), env, cwd or os.getcwd(),
+                                {0: devnull.fileno(), 1: stdout, 2: stdout if stderr is None else stderr},
                                 spawn_executable=str(zygote.launcher))
     return PreforkProcess(conn, pid, argv)

@@ -102,7 +102,7 @@ def _interpreter_exit(code: object) -> "NoReturn":  # noqa: F821
             stream.flush()
         except Exception:
             pass
-    os._exit(status & 0xFF if status >= 0 else 1)
+    os._exit(status & 0xFF)  # as the interpreter's exit(): sys.exit(-1) ends with 255
 
 
 def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
@@ -223,8 +223,8 @@ def _serve(listener: socket.socket) -> None:
                     data = r.recv(1)
                 except OSError:
                     data = b""
-                if not data:
-                    pid = watched.pop(r)
+                pid = watched.pop(r, None)  # None: its child's end, just handled, closed it
+                if not data and pid is not None:
                     try:
                         os.kill(pid, signal.SIGKILL)
                     except ProcessLookupError:

@@ -28,6 +28,7 @@ PROBE = textwrap.dedent('''\
 
     def child(conn, code):
         conn.send({{"pid": os.getpid(), "ppid": os.getppid(), "main": sys.modules["__main__"].__file__,
+                    "asked_by": os.environ.get("NPU_HARNESS_START_PPID"),
                     "env": os.environ.get("PROBE"), "argv": sys.argv}})
         if code == "sleep":
             time.sleep(60)
@@ -133,6 +134,11 @@ def test_exit_codes_and_tracebacks_are_the_interpreter_s(zygotes, probe, tmp_pat
     assert proc.wait(60) == 1
     text = log.read_text()
     assert "Traceback" in text and "RuntimeError: boom from the probe" in text
+    for code in ("sys.exit(-1)", "sys.exit(256 + 7)", "sys.exit('a message')"):  # the interpreter's exit()
+        program = f"import sys; {code}"
+        fresh = subprocess.run([sys.executable, "-c", program], env=_env(), capture_output=True, text=True)
+        forked = prefork.run_python(program, env=_env(), timeout=60)
+        assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr), code
 
 
 def test_terminate_kill_wait_and_poll_behave_like_popen(zygotes, probe, tmp_path):
@@ -163,7 +169,8 @@ def test_a_child_whose_client_is_gone_is_killed(zygotes, probe, tmp_path):
 
 
 def test_spawned_processes_of_a_forked_child_come_from_the_zygote(zygotes, probe, tmp_path):
-    proc, log = _run_forked(probe, tmp_path, _env(PROBE_MODE="spawn", PROBE="seen"))
+    proc, log = _run_forked(probe, tmp_path, _env(PROBE_MODE="spawn", PROBE="seen",
+                                                   NPU_HARNESS_START_PROFILE=str(tmp_path / "starts")))
     assert proc.wait(120) == 0, log.read_text()
     (zygote,) = zygotes.values()
     first, *children = _lines(log)
@@ -173,6 +180,7 @@ def test_spawned_processes_of_a_forked_child_come_from_the_zygote(zygotes, probe
         assert c["ppid"] == zygote.proc.pid, "the spawn did not come from the zygote"
         # what multiprocessing's prepare() gives any spawned child: the parent's argv and main
         assert c["main"] == str(probe) and c["env"] == "seen" and c["argv"] == [str(probe), "a", "b c"]
+        assert c["asked_by"] == str(proc.pid), "start_profile must record the spawner as the parent"
 
 
 def test_a_spawn_with_other_interpreter_flags_runs_a_new_interpreter(zygotes, probe, tmp_path):

@@ -8,6 +8,7 @@ are checked where a test starts one anyway (``tests/test_vllm_commands.py``).
 from __future__ import annotations
 
 import json
+import os
 import textwrap
 from collections import Counter
 from pathlib import Path
@@ -117,6 +118,16 @@ def test_main_writes_the_starts_per_module(tmp_path):
     empty.mkdir()
     assert starts.main([str(empty), str(out)]) == 1
     assert starts.main([]) == 2
+
+
+def test_the_recorded_parent_is_the_process_that_asked(monkeypatch):
+    """A prefork spawn names its spawner in NPU_HARNESS_START_PPID: recorded, then consumed."""
+    from vllm_npu import start_profile
+
+    monkeypatch.setenv(start_profile.ENV_PPID, "4242")
+    assert start_profile._process_record()["ppid"] == 4242
+    assert start_profile.ENV_PPID not in os.environ
+    assert start_profile._process_record()["ppid"] == os.getppid()
 
 
 def test_the_label_names_match_the_writer():
