@@ -2,6 +2,13 @@
 forks a ``vllm serve`` (or the engine core it spawns, or a harness probe's ``python -c``) on
 request.
 
+A zygote started with ``SOCKET PRELOAD... --record MODULE...`` (a vLLM zygote, itself forked
+from a plain zygote with the environment of one start) imports the ``--record`` modules last,
+recording every read and write of ``os.environ`` they make (its ``ready`` line carries both),
+refuses a request whose environment differs where they read (unless it holds what they wrote
+there), and replays their writes in each child; it does not start when they set a variable
+to a file they created.
+
 This file is the zygote's whole program. :mod:`npu_conformance.prefork` starts it as
 ``python -c <this file's source> SOCKET PRELOAD...`` (so nothing of ``npu_conformance`` is
 imported into it, and ``sys.path[0]`` is the same ``''`` a ``python -c`` has) with the
@@ -19,8 +26,9 @@ whoever asked for it is gone.
 What a child is (what a new interpreter running the same command would be, except what the
 docstring of :mod:`npu_conformance.prefork` lists):
 
-- ``kind == "serve"``: ``argv[0]`` is the ``vllm`` console script; it runs as ``__main__``
-  (``runpy.run_path``) with ``sys.argv = argv`` and ``sys.path[0]`` its directory;
+- ``kind == "serve"`` (or ``"script"``): ``argv[0]`` is a Python script (the ``vllm`` console
+  script, a test's probe); it runs as ``__main__`` (``runpy.run_path``) with ``sys.argv = argv``
+  and ``sys.path[0]`` its directory, as ``python SCRIPT ARGS`` would run it;
 - ``kind == "python"``: ``argv`` is ``[*FLAGS, "-c", PROGRAM, *ARGS]``, what follows the
   interpreter in a ``python -c`` command line, where ``FLAGS`` must be none or this
   interpreter's own (else the answer is pid 0: refused); ``PROGRAM`` runs as a ``python -c``
@@ -29,6 +37,8 @@ docstring of :mod:`npu_conformance.prefork` lists):
   must be its ``spawn_main`` call and ``ARGS`` ``["--multiprocessing-fork"]``;
 - with ``spawn_executable`` in the request, :func:`multiprocessing.set_executable` gets it
   first (a launcher of ``npu_conformance/prefork_spawn.py``: the child's spawns come back here);
+- with ``"session": true``, it starts a new session (``os.setsid``, as ``subprocess.Popen``'s
+  ``start_new_session``): its pid is its process group's id;
 - its descriptors are exactly ``fds`` (every other one is closed), its environment exactly
   ``env``, its directory ``cwd``; the interpreter's exit (non-daemon threads joined, ``atexit``
   handlers run, stdio flushed) follows the program's end, with its exit code.
@@ -51,6 +61,12 @@ PR_SET_PDEATHSIG = 1
 SPAWN_PROGRAM = re.compile(r"from multiprocessing\.spawn import spawn_main; "
                            r"spawn_main\(tracker_fd=\d+, pipe_handle=\d+\)")
 MAX_FDS = 250
+#: Set by ``main`` in a zygote that imported ``--record`` modules (a "vLLM zygote", itself forked
+#: from a zygote for its environment): which variables those imports read (``None``: all, the
+#: environment was iterated), and what they wrote (``None``: deleted), replayed in every child.
+_IMPORT_READS: "set[str] | None" = set()
+_IMPORT_WRITES: dict = {}
+_RECORDED = False
 
 
 def _die_with_parent() -> None:
@@ -108,6 +124,8 @@ def _interpreter_exit(code: object) -> "NoReturn":  # noqa: F821
 def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
     """In the forked child: take the requested descriptors, environment and directory, then
     run the program. Never returns."""
+    if request.get("session"):
+        os.setsid()
     targets = [int(n) for n in request["fds"]]
     floor = max([*targets, *fds, 2]) + 1
     moved = [_dup_at_least(fd, floor) for fd in fds]
@@ -123,9 +141,15 @@ def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
                 pass
     os.environ.clear()
     os.environ.update(request["env"])
+    for key, value in _IMPORT_WRITES.items():  # what the zygote's vLLM imports wrote, as they would
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
     os.chdir(request["cwd"])
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-    _activate_env_hooks()
+    if not _RECORDED:  # a vLLM zygote ran them for itself, with the variables they read
+        _activate_env_hooks()
     argv = list(request["argv"])
     _fresh_process_state([sys.executable, *argv])
     code: object = 0
@@ -134,7 +158,7 @@ def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
             import multiprocessing
 
             multiprocessing.set_executable(request["spawn_executable"])
-        if request["kind"] == "serve":
+        if request["kind"] in ("serve", "script"):
             import runpy
 
             sys.argv = argv
@@ -232,13 +256,15 @@ def _serve(listener: socket.socket) -> None:
 
 
 def _acceptable(request: dict) -> bool:
-    """``serve``; or ``python`` / ``spawn`` whose argv is ``[*FLAGS, "-c", PROGRAM, *ARGS]``
+    """``serve`` / ``script``; or ``python`` / ``spawn`` whose argv is ``[*FLAGS, "-c", PROGRAM, *ARGS]``
     with FLAGS none or this interpreter's own (``-B``, ``-X``, ``-W``... as ``multiprocessing``
     derives them; a child forked from here has exactly these, and a new interpreter with the
     zygote's environment and no flags would too); ``spawn`` also needs PROGRAM to be
     ``multiprocessing``'s ``spawn_main`` call and ARGS ``["--multiprocessing-fork"]``."""
     kind = request.get("kind")
-    if kind == "serve":
+    if _RECORDED and not _same_import_env(request.get("env", {})):
+        return False
+    if kind in ("serve", "script"):
         return True
     if kind not in ("python", "spawn"):
         return False
@@ -252,6 +278,77 @@ def _acceptable(request: dict) -> bool:
         return False
     return kind == "python" or (bool(SPAWN_PROGRAM.fullmatch(argv[i + 1]))
                                 and argv[i + 2:] == ["--multiprocessing-fork"])
+
+
+#: Variables read before a vLLM zygote's recording starts (its start-up hook, ``_activate_env_hooks``).
+HOOK_VARIABLES = ("NPU_HARNESS_TARGET", "NPUSIM_ALIAS")
+
+
+def _same_import_env(env: dict) -> bool:
+    """Whether ``env`` equals this (vLLM) zygote's environment wherever its recorded imports,
+    or its start-up hooks, read it."""
+    if _IMPORT_READS is None:
+        return env == _ZYGOTE_ENV
+    return all(_same_value(env, k) for k in (*_IMPORT_READS, *HOOK_VARIABLES))
+
+
+def _same_value(env: dict, key: str) -> bool:
+    """``env[key]`` is what the imports read, or what they wrote there (a process they started
+    inherits it: a default set when absent is then read back as set; see ``prefork.Zygote.serves``)."""
+    value = env.get(key)
+    return value == _ZYGOTE_ENV.get(key) or (key in _IMPORT_WRITES and value == _IMPORT_WRITES[key])
+
+
+def _created_during(since: float) -> "list[str]":
+    """Variables the recorded imports set to a file or directory they created (a temporary
+    directory of the process, say): shared by every child, which a new process would not."""
+    made = []
+    for key, value in _IMPORT_WRITES.items():
+        try:
+            if value and os.path.isabs(value) and os.stat(value).st_ctime >= since:
+                made.append(f"{key}={value}")
+        except OSError:
+            pass
+    return made
+
+
+_ZYGOTE_ENV: dict = {}
+
+
+def _import_recorded(names: list) -> None:
+    """Import ``names`` while recording every read and write of ``os.environ``."""
+    global _IMPORT_READS
+    cls = os._Environ
+    saved = {name: cls.__dict__[name] for name in ("__getitem__", "__setitem__", "__delitem__", "__iter__")}
+    reads: "set[str] | None" = set()
+
+    def getitem(self, key):
+        if reads is not None:
+            reads.add(key)
+        return saved["__getitem__"](self, key)
+
+    def setitem(self, key, value):
+        _IMPORT_WRITES[key] = value
+        saved["__setitem__"](self, key, value)
+
+    def delitem(self, key):
+        _IMPORT_WRITES[key] = None
+        saved["__delitem__"](self, key)
+
+    def iterate(self):
+        nonlocal reads
+        reads = None
+        return saved["__iter__"](self)
+
+    _ZYGOTE_ENV.update(os.environ)
+    cls.__getitem__, cls.__setitem__, cls.__delitem__, cls.__iter__ = getitem, setitem, delitem, iterate
+    try:
+        for name in names:
+            importlib.import_module(name)
+    finally:
+        for name, fn in saved.items():
+            setattr(cls, name, fn)
+    _IMPORT_READS = reads
 
 
 def _start_child(listener: socket.socket, children: dict, watched: dict) -> None:
@@ -298,10 +395,26 @@ def _start_child(listener: socket.socket, children: dict, watched: dict) -> None
 
 def main(argv: list[str]) -> None:
     _die_with_parent()
+    global _RECORDED
     sock_path, *preload = argv
+    recorded = []
+    if "--record" in preload:
+        i = preload.index("--record")
+        preload, recorded = preload[:i], preload[i + 1:]
     os.chdir("/")
     for name in preload:
         importlib.import_module(name)
+    if recorded:
+        import time
+
+        since = time.time() - 1.0  # st_ctime has the file system's granularity
+        _import_recorded(recorded)
+        _RECORDED = True
+        made = _created_during(since)
+        if made:
+            print(f"zygote: the imports created {', '.join(made)}: every child would share it, a new "
+                  "process makes its own; refusing to fork", file=sys.stderr, flush=True)
+            sys.exit(3)
     # fork() copies the calling thread only. A Python thread would be lost mid-work: refuse.
     # torch's import leaves one idle native thread (a pool waiting on a futex); forking after
     # ``import torch`` is what vLLM's own ``fork`` start method and torch's DataLoader do.
@@ -320,7 +433,8 @@ def main(argv: list[str]) -> None:
         setproctitle.setproctitle(f"npu-harness prefork zygote {sock_path}")
     except ImportError:
         pass
-    print(f"ready {os.getpid()}", flush=True)
+    reads = None if _IMPORT_READS is None else sorted(_IMPORT_READS)
+    print(f"ready {os.getpid()} " + json.dumps({"reads": reads, "writes": _IMPORT_WRITES}), flush=True)
     os.dup2(2, 1)  # stdout (the pipe the starter waits on) -> the zygote's log
     _serve(listener)
 

@@ -210,6 +210,26 @@ class Server:
                 self.proc.wait()
 
 
+def popen_vllm(args: Sequence[str], *, env: Mapping[str, str], stdout: int,
+               command: Sequence[str] | None = None,
+               new_session: bool = False) -> subprocess.Popen | prefork.PreforkProcess:
+    """``vllm ARGS`` in the background, its stdout and stderr to the descriptor ``stdout``:
+    forked from a prefork zygote (a :class:`prefork.PreforkProcess`) unless
+    ``NPU_HARNESS_PREFORK=0`` or ``command`` (which replaces the console script) is given, a
+    ``subprocess.Popen`` then. ``new_session``: as ``Popen``'s ``start_new_session``.
+
+    Raises:
+        prefork.PreforkError: the zygote did not start or fork.
+        ValueError: ``NPU_HARNESS_PREFORK`` is not ``1``, ``deps`` or ``0``.
+    """
+    base = list(command or vllm_command())
+    cmd = [*base, *args]
+    if command is None and len(base) == 1 and prefork.enabled():
+        return prefork.launch(cmd, env=env, stdout=stdout, new_session=new_session)
+    return subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.STDOUT, env=dict(env),
+                            start_new_session=new_session)
+
+
 def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[str, str],
           log: Path, timeout_s: float = START_TIMEOUT_S, command: Sequence[str] | None = None) -> Server:
     """Start ``vllm serve MODEL ARGS`` on a free port and wait for ``/health``.
@@ -224,18 +244,13 @@ def start(model: str | os.PathLike, args: Sequence[str] = (), *, env: Mapping[st
         ServerError: the process exited, or was not healthy within ``timeout_s`` (it is
             stopped; the message carries the log's last 4000 characters).
         prefork.PreforkError: the zygote did not start or fork.
-        ValueError: ``NPU_HARNESS_PREFORK`` is neither ``0`` nor ``1``.
+        ValueError: ``NPU_HARNESS_PREFORK`` is not ``1``, ``deps`` or ``0``.
     """
     port = free_port()
-    base = list(command or vllm_command())
-    cmd = [*base, "serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args]
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as fh:
-        proc: subprocess.Popen | prefork.PreforkProcess
-        if command is None and len(base) == 1 and prefork.enabled():
-            proc = prefork.launch(cmd, env=env, stdout=fh.fileno())
-        else:
-            proc = subprocess.Popen(cmd, stdout=fh, stderr=subprocess.STDOUT, env=dict(env))
+        proc = popen_vllm(["serve", str(model), "--host", "127.0.0.1", "--port", str(port), *args],
+                          env=env, stdout=fh.fileno(), command=command)
     server = Server(proc, f"http://127.0.0.1:{port}", str(model), log)
     deadline = time.monotonic() + timeout_s
     while True:

@@ -50,7 +50,15 @@ PROBE = textwrap.dedent('''\
             raise RuntimeError("boom from the probe")
         if mode == "sleep":
             time.sleep(60)
-        if mode.startswith("spawn"):
+        if mode == "spawn-hold":  # a spawned child that sleeps; its pid printed
+            ctx = mp.get_context("spawn")
+            recv, send = ctx.Pipe(False)
+            p = ctx.Process(target=child, args=(send, "sleep"))
+            p.start()
+            send.close()
+            print("HOLDING", recv.recv()["pid"], flush=True)
+            time.sleep(60)
+        elif mode.startswith("spawn"):
             if mode == "spawn-flags":  # other interpreter flags than the zygote's
                 sys.warnoptions.append("ignore::DeprecationWarning")
             ctx = mp.get_context("spawn")
@@ -71,9 +79,15 @@ PROBE = textwrap.dedent('''\
 def zygotes(monkeypatch):
     """A private zygote registry with a json-only preload; closed afterwards."""
     registry: OrderedDict = OrderedDict()
+    vllm_registry: OrderedDict = OrderedDict()
     monkeypatch.setattr(prefork, "PRELOAD", ("json",))
+    monkeypatch.setattr(prefork, "VLLM_PRELOAD", ("json",))
     monkeypatch.setattr(prefork, "_zygotes", registry)
+    monkeypatch.setattr(prefork, "_vllm_zygotes", vllm_registry)
+    monkeypatch.setattr(prefork, "_vllm_refused", set())
     yield registry
+    while vllm_registry:
+        vllm_registry.popitem()[1].close()
     while registry:
         registry.popitem()[1].close()
 
@@ -172,7 +186,7 @@ def test_spawned_processes_of_a_forked_child_come_from_the_zygote(zygotes, probe
     proc, log = _run_forked(probe, tmp_path, _env(PROBE_MODE="spawn", PROBE="seen",
                                                    NPU_HARNESS_START_PROFILE=str(tmp_path / "starts")))
     assert proc.wait(120) == 0, log.read_text()
-    (zygote,) = zygotes.values()
+    (zygote,) = prefork._vllm_zygotes.values()  # a start's spawns come from the zygote it came from
     first, *children = _lines(log)
     assert [c["code"] for c in children] == [0, 7, "sleep"]
     assert [c["exitcode"] for c in children] == [0, 7, -signal.SIGTERM]  # codes and signals relayed
@@ -223,14 +237,15 @@ def test_the_switch_takes_effect_and_refuses_other_words(zygotes, tmp_path, monk
         '''))
     fake.chmod(0o755)
     monkeypatch.setattr(vs, "vllm_command", lambda: [str(fake)])
-    kinds = {}
-    for switch in ("1", "0"):
+    kinds, vllm_zygotes = {}, {}
+    for switch in ("deps", "1", "0"):
         monkeypatch.setenv(prefork.ENV_SWITCH, switch)
         server = vs.start("m", env=_env(), log=tmp_path / f"s{switch}.log", timeout_s=60)
-        kinds[switch] = type(server.proc)
+        kinds[switch], vllm_zygotes[switch] = type(server.proc), len(prefork._vllm_zygotes)
         server.stop()
         assert server.proc.returncode == -signal.SIGTERM
-    assert kinds == {"1": prefork.PreforkProcess, "0": subprocess.Popen}
+    assert kinds == {"deps": prefork.PreforkProcess, "1": prefork.PreforkProcess, "0": subprocess.Popen}
+    assert vllm_zygotes == {"deps": 0, "1": 1, "0": 1}, "deps forks from the plain zygote only"
     monkeypatch.setenv(prefork.ENV_SWITCH, "yes")
     with pytest.raises(ValueError, match="NPU_HARNESS_PREFORK='yes': must be 1"):
         vs.start("m", env=_env(), log=tmp_path / "s.log")
@@ -269,3 +284,203 @@ def test_run_python_is_subprocess_run_of_python_c(zygotes, monkeypatch, tmp_path
     monkeypatch.setenv(prefork.ENV_SWITCH, "1")
     with pytest.raises(subprocess.TimeoutExpired):
         prefork.run_python("import time; time.sleep(30)", env=_env(), timeout=0.5)
+
+
+def test_run_script_is_subprocess_run_of_python_script(zygotes, probe, tmp_path, monkeypatch):
+    monkeypatch.setenv(prefork.ENV_SWITCH, "1")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = _env(PROBE_MODE="exit3", PROBE="s")
+    got = prefork.run_script(probe, ["x", "y z"], env=env, timeout=60, cwd=work)
+    want = subprocess.run([sys.executable, str(probe), "x", "y z"], env=env, capture_output=True, text=True,
+                          cwd=work)
+    (zygote,) = zygotes.values()
+    assert got.returncode == want.returncode == 3 and got.stderr == want.stderr == ""
+    mine, theirs = json.loads(got.stdout), json.loads(want.stdout)
+    for field in ("argv", "path0", "file", "cwd", "env"):
+        assert mine[field] == theirs[field], field
+    assert mine["cwd"] == str(work) and got.args == [sys.executable, str(probe), "x", "y z"]
+    monkeypatch.setenv(prefork.ENV_SWITCH, "0")
+    assert prefork.run_script(probe, env=env, timeout=60).returncode == 3 and len(zygotes) == 1
+    monkeypatch.setenv(prefork.ENV_SWITCH, "1")
+    with pytest.raises(subprocess.TimeoutExpired):
+        prefork.run_script(probe, env=_env(PROBE_MODE="sleep"), timeout=0.5)
+
+
+def test_new_session_makes_the_child_a_process_group_leader(zygotes, probe, tmp_path):
+    """``new_session=True`` is ``Popen(start_new_session=True)``; without it the child stays in
+    the zygote's session."""
+    children = []
+    for session in (True, False):
+        with open(tmp_path / f"{session}.log", "w") as fh:
+            children.append(prefork.launch([str(probe)], env=_env(PROBE_MODE="sleep"), stdout=fh.fileno(),
+                                           new_session=session))
+    leader, plain = children
+    assert os.getsid(leader.pid) == leader.pid == os.getpgid(leader.pid) != os.getpgid(0)
+    assert os.getsid(plain.pid) != plain.pid
+    for child in children:
+        child.kill()
+        assert child.wait(30) == -signal.SIGKILL
+
+
+def test_killpg_of_a_new_session_ends_the_child_and_its_spawned_process(zygotes, probe, tmp_path):
+    log = tmp_path / "spawn.log"
+    with open(log, "w") as fh:
+        proc = prefork.launch([str(probe), "hold"], env=_env(PROBE_MODE="spawn-hold"), stdout=fh.fileno(),
+                              new_session=True)
+    deadline = time.monotonic() + 60
+    while "HOLDING" not in log.read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+        time.sleep(0.2)
+    spawned = int(log.read_text().split("HOLDING")[1].split()[0])
+    os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.wait(30) == -signal.SIGKILL
+    while True:  # the zygote kills the spawned process once its launcher is gone
+        try:
+            os.kill(spawned, 0)
+        except ProcessLookupError:
+            break
+        assert time.monotonic() < deadline + 30, "the spawned process outlived its killed parent"
+        time.sleep(0.2)
+
+
+def test_poll_from_another_thread_while_one_waits(zygotes, probe, tmp_path):
+    import threading
+
+    with open(tmp_path / "log", "w") as fh:
+        proc = prefork.launch([str(probe)], env=_env(PROBE_MODE="sleep"), stdout=fh.fileno())
+    codes: list = []
+    waiter = threading.Thread(target=lambda: codes.append(proc.wait(60)))
+    waiter.start()
+    polls = [proc.poll() for _ in range(20)]
+    assert polls == [None] * 20
+    proc.kill()
+    waiter.join(60)
+    assert codes == [-signal.SIGKILL] and proc.poll() == -signal.SIGKILL
+
+
+ENV_MODULE = textwrap.dedent('''\
+    import os
+    SEEN = os.environ.get("VLLM_READ_AT_IMPORT")
+    os.environ["VLLM_WRITTEN_AT_IMPORT"] = "w"
+    os.environ.pop("VLLM_DELETED_AT_IMPORT", None)
+    if os.environ.get("ENVMOD_FAIL"):
+        raise ImportError("envmod refuses")
+''')
+
+SHOW = textwrap.dedent('''\
+    #!{python}
+    import json, os, sys
+    mod = sys.modules.get("envmod")
+    print(json.dumps({{"seen": getattr(mod, "SEEN", "not imported"), "ppid": os.getppid(),
+                       "env": {{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}}}))
+''')
+
+
+@pytest.fixture
+def envmod(tmp_path, monkeypatch):
+    """A vLLM zygote preload that reads, writes and deletes variables at import."""
+    (tmp_path / "mods").mkdir()
+    (tmp_path / "mods" / "envmod.py").write_text(ENV_MODULE)
+    show = tmp_path / "show"
+    show.write_text(SHOW.format(python=sys.executable))
+    show.chmod(0o755)
+    monkeypatch.setattr(prefork, "VLLM_PRELOAD", ("envmod",))
+    return show, str(tmp_path / "mods")
+
+
+def _show(show: Path, tmp_path: Path, **extra: str) -> dict:
+    log = tmp_path / "show.log"
+    with open(log, "w") as fh:
+        proc = prefork.launch([str(show)], env=_env(**extra), stdout=fh.fileno())
+    assert proc.wait(60) == 0, log.read_text()
+    return json.loads(log.read_text().splitlines()[-1])
+
+
+def test_a_vllm_zygote_serves_the_environments_equal_where_its_imports_read(zygotes, envmod, tmp_path):
+    show, mods = envmod
+    a = _show(show, tmp_path, PYTHONPATH=mods, VLLM_READ_AT_IMPORT="a", VLLM_DELETED_AT_IMPORT="x")
+    (first,) = prefork._vllm_zygotes.values()
+    assert first.reads is not None and "VLLM_READ_AT_IMPORT" in first.reads
+    assert first.writes == {"VLLM_WRITTEN_AT_IMPORT": "w", "VLLM_DELETED_AT_IMPORT": None}
+    # what a new interpreter importing envmod would have: its reads, its writes, its deletions
+    assert a["seen"] == "a" and a["ppid"] == first.proc.pid
+    assert a["env"] == {"VLLM_READ_AT_IMPORT": "a", "VLLM_WRITTEN_AT_IMPORT": "w"}
+    # (pop() reads before it deletes: VLLM_DELETED_AT_IMPORT is a read too)
+    other = _show(show, tmp_path, PYTHONPATH=mods, VLLM_READ_AT_IMPORT="a", VLLM_DELETED_AT_IMPORT="x",
+                  VLLM_ONLY_READ_LATER="y")
+    assert other["ppid"] == first.proc.pid and other["env"]["VLLM_ONLY_READ_LATER"] == "y"
+    assert len(prefork._vllm_zygotes) == 1, "a variable the imports never read needs no zygote of its own"
+    b = _show(show, tmp_path, PYTHONPATH=mods, VLLM_READ_AT_IMPORT="b", VLLM_DELETED_AT_IMPORT="x")
+    assert b["seen"] == "b" and b["ppid"] != first.proc.pid and len(prefork._vllm_zygotes) == 2
+    target = _show(show, tmp_path, PYTHONPATH=mods, VLLM_READ_AT_IMPORT="a", VLLM_DELETED_AT_IMPORT="x",
+                   NPU_HARNESS_TARGET="rbln-sim")
+    assert target["ppid"] not in (first.proc.pid, b["ppid"]), "the start-up hook's variables are keyed too"
+    assert len(zygotes) == 1  # all forked from the one plain zygote of this import key
+
+
+def test_a_vllm_zygote_refuses_a_spawn_whose_environment_its_imports_read_differently(zygotes, envmod, tmp_path):
+    show, mods = envmod
+    (tmp_path / "mods" / "spawner.py").write_text(textwrap.dedent('''\
+        import multiprocessing as mp, os
+        def child(conn):
+            import envmod
+            conn.send((os.getppid(), envmod.SEEN))
+        def run(value):
+            os.environ["VLLM_READ_AT_IMPORT"] = value
+            ctx = mp.get_context("spawn")
+            recv, send = ctx.Pipe(False)
+            p = ctx.Process(target=child, args=(send,))
+            p.start()
+            send.close()
+            got = recv.recv()
+            p.join(30)
+            return got
+    '''))
+    script = tmp_path / "spawns"
+    script.write_text(f"#!{sys.executable}\nimport os, spawner\nif __name__ == '__main__':\n"
+                      "    print('SAME', *spawner.run('a'), os.getpid())\n"
+                      "    print('CHANGED', *spawner.run('c'), os.getpid())\n")
+    log = tmp_path / "spawns.log"
+    with open(log, "w") as fh:
+        proc = prefork.launch([str(script)], env=_env(PYTHONPATH=mods, VLLM_READ_AT_IMPORT="a"), stdout=fh.fileno())
+    assert proc.wait(120) == 0, log.read_text()
+    (zygote,) = prefork._vllm_zygotes.values()
+    same, changed = (line.split() for line in log.read_text().splitlines() if line.startswith(("SAME", "CHANGED")))
+    assert same[1:3] == [str(zygote.proc.pid), "a"]
+    # the spawn's environment reads 'c' where the zygote's imports read 'a': a new interpreter
+    assert changed[1:3] == [changed[3], "c"]
+
+
+def test_a_vllm_zygote_that_cannot_import_falls_back_to_the_plain_zygote_once(zygotes, envmod, tmp_path, capfd):
+    show, mods = envmod
+    for _ in range(2):
+        got = _show(show, tmp_path, PYTHONPATH=mods, ENVMOD_FAIL="1", VLLM_READ_AT_IMPORT="a")
+        (plain,) = zygotes.values()
+        assert got["ppid"] == plain.proc.pid and got["seen"] == "not imported"
+    assert not prefork._vllm_zygotes
+    err = capfd.readouterr().err
+    assert err.count("no vLLM zygote for this environment") == 1 and "ImportError: envmod refuses" in err
+
+
+@pytest.mark.slow
+def test_the_vllm_preload_is_what_both_vllm_processes_import_anyway(tmp_path, monkeypatch):
+    """A new ``vllm serve`` on mblt-sim (``NPU_HARNESS_PREFORK=0``), with ``python -X
+    importtime`` in both its processes: the API server and the engine core it spawns each
+    import every module of :data:`prefork.VLLM_PRELOAD` (the engine core runs the ``vllm``
+    script as ``__mp_main__``), so a forked one holds nothing a new one would not."""
+    from npusim import tinymodel
+    from npusim.mxq.compile import compile_artifact
+
+    hf = tinymodel.build("llama", tmp_path / "hf")
+    art = compile_artifact(hf, tmp_path / "art", max_batch_size=2, prefill_chunk_size=64)
+    monkeypatch.setenv(prefork.ENV_SWITCH, "0")
+    env = vs.vllm_env("mblt-sim", PYTHONPROFILEIMPORTTIME="1", VLLM_MBLT_PREFIX_CACHE_CALIBRATE="0")
+    server = vs.start(art, ["--max-model-len", "256"], env=env, log=tmp_path / "serve.log")
+    try:
+        text = server.log_text()
+    finally:
+        server.stop()
+    imported = [line.rsplit("|", 1)[-1].strip() for line in text.splitlines() if line.startswith("import time:")]
+    for name in prefork.VLLM_PRELOAD:
+        assert imported.count(name) == 2, f"{name}: imported by {imported.count(name)} of the 2 processes"

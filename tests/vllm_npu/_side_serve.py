@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,12 +23,14 @@ class SideServe:
 
     def __init__(self, model: Path, args: list[str], log: Path, until: str | None = None,
                  env: Mapping[str, str] | None = None) -> None:
-        cmd = [*vllm_server.vllm_command(), "serve", str(model), "--host", "127.0.0.1",
+        args = ["serve", str(model), "--host", "127.0.0.1",
                "--port", str(vllm_server.free_port()), *args]
         self.log, self.until = log, until
         self._fh = open(log, "w")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                     env=vllm_server.vllm_env("mblt-sim", **dict(env or {})))
+        # forked from the prefork zygote like every other start; its own session, so that
+        # stop() ends the engine core with it
+        self.proc = vllm_server.popen_vllm(args, stdout=self._fh.fileno(), new_session=True,
+                                           env=vllm_server.vllm_env("mblt-sim", **dict(env or {})))
 
     def result(self) -> tuple[int | None, str]:
         """(exit code, or None when ``until`` was logged first; the log)."""

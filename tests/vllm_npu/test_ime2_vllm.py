@@ -33,6 +33,7 @@ import numpy as np
 import pytest
 
 pytest.importorskip("vllm")
+from npu_conformance import prefork  # noqa: E402
 pytestmark = pytest.mark.slow
 
 NMSE_FLOAT_BOUND = 2.5e-1
@@ -63,9 +64,9 @@ def _env(**extra: str) -> dict[str, str]:
 def _run_probe(model: Path, out: Path, prompts: list[list[int]], dtype: str = "float32") -> subprocess.CompletedProcess:
     prompt_file = out.with_suffix(".prompts.json")
     prompt_file.write_text(json.dumps(prompts))
-    return subprocess.run([sys.executable, str(PROBE), str(model), str(out), str(prompt_file), str(MAX_TOKENS),
-                           dtype],
-                          capture_output=True, text=True, env=_env(), timeout=START_TIMEOUT_S)
+    # as ``python PROBE ...`` would run, forked from the prefork zygote (npu_conformance.prefork)
+    return prefork.run_script(PROBE, [str(model), str(out), str(prompt_file), str(MAX_TOKENS), dtype],
+                              env=_env(), timeout=START_TIMEOUT_S)
 
 
 def _centred_logprobs(logits: np.ndarray) -> np.ndarray:

@@ -116,14 +116,14 @@ class _Side:
 
     def __init__(self, model: Path, args: list[str], log: Path, until: str | None = None) -> None:
         port = vllm_server.free_port()
-        cmd = [*vllm_server.vllm_command(), "serve", str(model), "--host", "127.0.0.1",
+        args = ["serve", str(model), "--host", "127.0.0.1",
                "--port", str(port), *args]
         self.log = log
         self.until = until
         self._fh = open(log, "w")  # noqa: SIM115 - closed in wait()
         # its own process group: stop() ends the engine-core child with it
-        self.proc = subprocess.Popen(cmd, stdout=self._fh, stderr=subprocess.STDOUT,
-                                     env=vllm_server.vllm_env("mblt-sim"), start_new_session=True)
+        self.proc = vllm_server.popen_vllm(args, stdout=self._fh.fileno(), new_session=True,
+                                           env=vllm_server.vllm_env("mblt-sim"))
         self.seen = threading.Event()
         if until:  # stop it as soon as the line is logged: it need not finish starting
             threading.Thread(target=self._watch, daemon=True).start()

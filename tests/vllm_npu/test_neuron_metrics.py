@@ -140,3 +140,29 @@ def test_counter_sums_and_gauge_modes(exposed):
     assert _value(families["vllm_neuron:model_load_size_bytes"], "", **labels) == 150  # sum
     for name in ("compilation_time_seconds", "startup_time_seconds", "model_load_size_bytes"):
         assert all("pid" not in lab for lab, _ in _samples(families[f"vllm_neuron:{name}"]))
+
+
+HOOK = textwrap.dedent("""
+    import os
+    from vllm_npu.neuron import register
+    name = register()
+    assert name == "vllm_npu.neuron.platform.NeuronPlatform", name
+    print("AFTER_REGISTER", os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
+    from vllm_npu.neuron.platform import NeuronPlatform
+    NeuronPlatform.pre_register_and_update()
+    path = os.environ["PROMETHEUS_MULTIPROC_DIR"]
+    assert os.path.isdir(path) and os.path.basename(path).startswith("vllm_neuron_prometheus_")
+    print("AFTER_PRE_REGISTER", path)
+""")
+
+
+def test_the_directory_is_made_by_the_process_that_builds_the_engine_config_not_at_platform_resolution():
+    """``register()`` (platform resolution, which may happen in a process that others fork
+    from) sets nothing; ``NeuronPlatform.pre_register_and_update`` (vLLM calls it in the API
+    server before the engine core starts) makes the directory."""
+    from npu_conformance import prefork, vllm_server
+
+    env = {k: v for k, v in vllm_server.vllm_env("neuron-sim").items() if k.lower() != "prometheus_multiproc_dir"}
+    proc = prefork.run_python(HOOK, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "AFTER_REGISTER None" in proc.stdout and "AFTER_PRE_REGISTER /" in proc.stdout, proc.stdout

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 
 pytest.importorskip("vllm")
+from npu_conformance import prefork  # noqa: E402
 
 PROBE = ("from vllm.platforms import current_platform; "
          "print('DEVICE', current_platform.device_type, type(current_platform).__qualname__)")
@@ -19,8 +19,8 @@ def _resolve(value: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "NPU_HARNESS_TARGET"}
     if value is not None:
         env["NPU_HARNESS_TARGET"] = value
-    return subprocess.run([sys.executable, "-c", PROBE], env=env, capture_output=True,
-                          text=True, timeout=300)
+    # as ``python -c PROBE`` would run, forked from the prefork zygote (npu_conformance.prefork)
+    return prefork.run_python(PROBE, env=env, timeout=300)
 
 
 def test_no_target_keeps_vllms_cpu_platform():

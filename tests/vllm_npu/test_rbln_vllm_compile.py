@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 
 import pytest
 
+from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
 
 pytestmark = pytest.mark.slow
@@ -94,8 +93,9 @@ def _run(model_dir, mode, tmp_path, cache, fault=None, **env):
                       NPUSIM_RBLN=json.dumps(sim), VLLM_ALLOW_INSECURE_SERIALIZATION="1", **env)
     script = tmp_path / "child.py"
     script.write_text(CHILD)
-    proc = subprocess.run([sys.executable, str(script), str(model_dir), json.dumps(PROMPTS), mode], env=env,
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    # as ``python child.py ...`` would run, forked from the prefork zygote (npu_conformance.prefork)
+    proc = prefork.run_script(script, [str(model_dir), json.dumps(PROMPTS), mode], env=env, timeout=600,
+                              cwd=tmp_path)
     mark = "NPU_HARNESS_RESULT "
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(mark)]
     assert proc.returncode == 0 and lines, (proc.stdout[-2000:] + proc.stderr[-4000:])

@@ -16,12 +16,8 @@ def register() -> str | None:
     """vLLM platform-plugin entry point (group ``vllm.platform_plugins``).
 
     Returns the platform class's qualified name when ``NPU_HARNESS_TARGET`` names one of
-    this device's targets, else None (the plugin stays inactive). When active, it sets
-    ``PROMETHEUS_MULTIPROC_DIR`` unless the user did (the metrics' multiprocess mode).
+    this device's targets, else None (the plugin stays inactive). The metrics' multiprocess
+    directory is made later, per serving process
+    (``NeuronPlatform.pre_register_and_update``).
     """
-    name = platform_for("neuron", "vllm_npu.neuron.platform.NeuronPlatform")
-    if name is not None:
-        from vllm_npu.neuron.metrics import ensure_multiproc_dir
-
-        ensure_multiproc_dir()
-    return name
+    return platform_for("neuron", "vllm_npu.neuron.platform.NeuronPlatform")

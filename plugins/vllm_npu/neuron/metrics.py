@@ -39,8 +39,9 @@ How vLLM 0.32 exposes them (read in ``vllm/v1/metrics/prometheus.py`` and
 * vLLM sets the variable itself only for ``--api-server-count > 1``
   (``setup_multiprocess_prometheus`` in ``vllm serve``); with one API server and no variable,
   ``/metrics`` is the API process's own ``REGISTRY`` and an engine-core metric is never seen.
-  Hence :func:`ensure_multiproc_dir`, called from the plugin's ``register()``, which runs in
-  the API server before the engine core is started;
+  Hence :func:`ensure_multiproc_dir`, called from ``NeuronPlatform.pre_register_and_update``,
+  which vLLM runs in the API server (building its argument parser and its engine
+  configuration) before it creates its metrics and starts the engine core;
 * ``prometheus_client.values.ValueClass`` is chosen once, when ``prometheus_client.values`` is
   first imported, from the environment of that moment. vLLM imports ``prometheus_client``
   early (its entrypoints), so the variable may be set too late for the process that sets it:

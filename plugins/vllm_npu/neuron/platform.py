@@ -116,6 +116,20 @@ class NeuronPlatform(NpuPlatform):
     device_control_env_var: str = "NEURON_VISIBLE_DEVICES"
 
     @classmethod
+    def pre_register_and_update(cls, parser: Any = None) -> None:
+        """The shared step, then ``PROMETHEUS_MULTIPROC_DIR`` unless the user set it
+        (:func:`vllm_npu.neuron.metrics.ensure_multiproc_dir`): vLLM calls this in the process
+        that builds the engine's configuration (the API server, or ``vllm.LLM``'s), before it
+        creates its metrics and starts the engine core, which inherits the variable. Here and
+        not at platform resolution, so that the directory belongs to the process that serves
+        (one made while a process resolves its platform would be shared by whatever forks
+        from that process, as the harness's prefork zygotes do)."""
+        super().pre_register_and_update(parser)
+        from vllm_npu.neuron.metrics import ensure_multiproc_dir
+
+        ensure_multiproc_dir()
+
+    @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
         """Capture the async-scheduling setting vLLM resolved, then the shared steps (which
         turn vLLM's async pipeline off) and :meth:`configure`."""
