@@ -31,6 +31,11 @@ What a forked child shares with its zygote, and a new interpreter would not have
 - ``sys.orig_argv`` and the process's parent (the zygote, not the test or the API server);
 - ``LD_LIBRARY_PATH`` in an engine core: see :meth:`Zygote.serves`.
 
+A child dies with the zygote that forked it (``PR_SET_PDEATHSIG``: never an orphan that its
+client believes dead), so a zygote with a live child (a server a lab keeps, a vLLM zygote) is
+never closed to make room (:data:`MAX_ZYGOTES`, :data:`MAX_VLLM_ZYGOTES` are then exceeded
+until it is idle).
+
 ``NPU_HARNESS_PREFORK=0`` (in the environment of the process that starts servers) makes every
 start a new interpreter again; ``1`` (the default) forks. Standard library only.
 """
@@ -235,6 +240,8 @@ class Zygote:
         self.log = self.dir / "zygote.log"
         self.env = dict(env)
         self.reads: frozenset[str] | None = frozenset()
+        #: what it forked for this process (a vLLM zygote's own among its parent's)
+        self.children: list[PreforkProcess] = []
         self.writes: dict[str, str | None] = {}
         source = Path(__file__).with_name("prefork_zygote.py").read_text()
         self.proc: subprocess.Popen | PreforkProcess
@@ -253,11 +260,17 @@ class Zygote:
                 finally:
                     os.close(wfd)
                 self.proc = PreforkProcess(conn, pid, ["vllm zygote", self.socket])
+                parent.children.append(self.proc)
                 self._ready_pipe = os.fdopen(rfd, "rb")
         self._ready = False
         self.launcher = self.dir / "spawn"
         self.launcher.write_text(spawn_launcher(self.socket))
         self.launcher.chmod(0o755)
+
+    def busy(self) -> bool:
+        """Whether a child it forked still runs (it dies with the zygote: ``PR_SET_PDEATHSIG``)."""
+        self.children = [c for c in self.children if c.poll() is None]
+        return bool(self.children)
 
     def serves(self, env: Mapping[str, str]) -> bool:
         """Whether a child with ``env`` is what a new interpreter with ``env`` would be (a vLLM
@@ -378,10 +391,20 @@ def zygote_for(env: Mapping[str, str]) -> Zygote:
         if zygote is None:
             zygote = Zygote(dict(key))
             _zygotes[key] = zygote
-            while len(_zygotes) > MAX_ZYGOTES:
-                _zygotes.popitem(last=False)[1].close()
+            _evict(_zygotes, MAX_ZYGOTES)
         _zygotes.move_to_end(key)
         return zygote
+
+
+def _evict(registry: OrderedDict, limit: int) -> None:
+    """Close the least recently used zygotes of ``registry`` beyond ``limit``, but never one
+    with a live child (a server a lab keeps, a vLLM zygote): its children would die with it."""
+    for key, zygote in list(registry.items()):
+        if len(registry) <= limit:
+            return
+        if zygote is not next(reversed(registry.values())) and not zygote.busy():
+            del registry[key]
+            zygote.close()
 
 
 _vllm_zygotes: OrderedDict[int, Zygote] = OrderedDict()
@@ -416,8 +439,7 @@ def vllm_zygote_for(env: Mapping[str, str]) -> Zygote | None:
                   f"zygote: {exc}", file=sys.stderr, flush=True)
             return None
         _vllm_zygotes[id(zygote)] = zygote
-        while len(_vllm_zygotes) > MAX_VLLM_ZYGOTES:
-            _vllm_zygotes.popitem(last=False)[1].close()
+        _evict(_vllm_zygotes, MAX_VLLM_ZYGOTES)
         return zygote
 
 
@@ -497,4 +519,6 @@ def launch(argv: Sequence[str], *, env: Mapping[str, str], stdout: int, stderr: 
         conn, pid = zygote.fork(kind, list(argv), env, cwd or os.getcwd(),
                                 {0: devnull.fileno(), 1: stdout, 2: stdout if stderr is None else stderr},
                                 spawn_executable=str(zygote.launcher), new_session=new_session)
-    return PreforkProcess(conn, pid, argv)
+    child = PreforkProcess(conn, pid, argv)
+    zygote.children.append(child)
+    return child

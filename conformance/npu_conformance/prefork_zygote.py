@@ -69,12 +69,16 @@ _IMPORT_WRITES: dict = {}
 _RECORDED = False
 
 
-def _die_with_parent() -> None:
-    """Ask the kernel for SIGKILL when the process that started the zygote ends."""
+def _die_with_parent(parent: "int | None" = None) -> None:
+    """Ask the kernel for SIGKILL when this process's parent ends (the process that started
+    the zygote; in a child, the zygote: a child never outlives it as an orphan). ``parent``:
+    the pid it must still have, else it ends now (its parent ended before the request)."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):
         pass
+    if parent is not None and os.getppid() != parent:
+        os._exit(128 + signal.SIGKILL)
 
 
 def _recv_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -124,8 +128,6 @@ def _interpreter_exit(code: object) -> "NoReturn":  # noqa: F821
 def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
     """In the forked child: take the requested descriptors, environment and directory, then
     run the program. Never returns."""
-    if request.get("session"):
-        os.setsid()
     targets = [int(n) for n in request["fds"]]
     floor = max([*targets, *fds, 2]) + 1
     moved = [_dup_at_least(fd, floor) for fd in fds]
@@ -371,18 +373,32 @@ def _start_child(listener: socket.socket, children: dict, watched: dict) -> None
         return
     sys.stdout.flush()
     sys.stderr.flush()
+    # a new session is made before the client learns the pid (as Popen's start_new_session is
+    # before Popen returns): the child says so on this pipe
+    session_r, session_w = os.pipe() if request.get("session") else (-1, -1)
+    zygote_pid = os.getpid()
     pid = os.fork()
     if pid == 0:
         try:
+            _die_with_parent(zygote_pid)
             listener.detach()
             conn.detach()
             for c in watched:
                 c.detach()
             for c, _ in children.values():
                 c.detach()
+            if session_w >= 0:
+                os.close(session_r)
+                os.setsid()
+                os.write(session_w, b"s")
+                os.close(session_w)
             _become(request, fds)
         finally:
             os._exit(70)
+    if session_w >= 0:
+        os.close(session_w)
+        os.read(session_r, 1)  # b"" if the child died first
+        os.close(session_r)
     for fd in fds:
         os.close(fd)
     children[os.pidfd_open(pid)] = (conn, pid)

@@ -484,3 +484,42 @@ def test_the_vllm_preload_is_what_both_vllm_processes_import_anyway(tmp_path, mo
     imported = [line.rsplit("|", 1)[-1].strip() for line in text.splitlines() if line.startswith("import time:")]
     for name in prefork.VLLM_PRELOAD:
         assert imported.count(name) == 2, f"{name}: imported by {imported.count(name)} of the 2 processes"
+
+
+def _gone(pid: int, timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            return True
+        if state == "Z":
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_a_zygote_with_a_live_child_is_not_evicted_and_its_children_die_with_it(zygotes, probe, tmp_path, monkeypatch):
+    """LRU eviction skips a zygote whose child still runs (a server a lab keeps, a vLLM zygote);
+    a child never outlives its zygote as an orphan (``PR_SET_PDEATHSIG``)."""
+    monkeypatch.setattr(prefork, "MAX_ZYGOTES", 1)
+
+    def start(mode: str, threads: str, kind: str = "script") -> prefork.PreforkProcess:
+        with open(tmp_path / f"{threads}.log", "w") as fh:
+            return prefork.launch([str(probe)], env=_env(PROBE_MODE=mode, OMP_NUM_THREADS=threads),
+                                  stdout=fh.fileno(), kind=kind)
+
+    kept = start("sleep", "1")
+    first = next(iter(zygotes.values()))
+    assert start("", "2").wait(60) == 0
+    assert len(zygotes) == 2 and first.proc.poll() is None and kept.poll() is None, "a busy zygote was closed"
+    kept.kill()
+    assert kept.wait(30) == -signal.SIGKILL
+    assert start("", "3").wait(60) == 0
+    assert first.proc.poll() is not None and first not in zygotes.values(), "an idle zygote beyond the limit stays"
+    for kind in ("script", "serve"):  # forked by a plain zygote, and by a vLLM zygote
+        child = start("sleep", "3", kind)
+        parent = next(iter(prefork._vllm_zygotes.values())) if kind == "serve" else zygotes[next(reversed(zygotes))]
+        os.kill(parent.proc.pid, signal.SIGKILL)  # the zygote that forked it dies
+        assert _gone(child.pid), f"a child of a {kind} zygote outlived it"
+        assert child.wait(30) == -signal.SIGKILL
