@@ -85,6 +85,7 @@ def zygotes(monkeypatch):
     monkeypatch.setattr(prefork, "_zygotes", registry)
     monkeypatch.setattr(prefork, "_vllm_zygotes", vllm_registry)
     monkeypatch.setattr(prefork, "_vllm_refused", set())
+    monkeypatch.setenv(prefork.ENV_SWITCH, "1")  # the default, whatever the run's own setting
     yield registry
     while vllm_registry:
         vllm_registry.popitem()[1].close()
