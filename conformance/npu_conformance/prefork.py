@@ -18,7 +18,9 @@ Two levels of *zygote* (:mod:`npu_conformance.prefork_zygote`), per pytest proce
 interpreter would (``__main__``, ``sys.argv``, ``sys.path[0]``, the environment, the directory,
 only the descriptors asked for). Inside the child, ``multiprocessing``'s spawn start method
 (vLLM's engine core on every NPU target) goes to the same zygote through a two-line launcher
-(:func:`spawn_launcher`), so the engine core starts the same way. :func:`run_python` and
+(:func:`spawn_launcher`), so the engine core starts the same way; so does vLLM's inspection of
+a model class it has not met yet (``python -m vllm.model_executor.models.registry``, about 6 s
+in a new interpreter, once per architecture in a new ``~/.cache/vllm``). :func:`run_python` and
 :func:`run_script` (probes) fork from the plain zygote.
 
 What a forked child shares with its zygote, and a new interpreter would not have:
@@ -358,8 +360,9 @@ class Zygote:
 def spawn_launcher(socket_path: str) -> str:
     """The executable ``multiprocessing.set_executable`` gets inside a forked ``vllm serve``:
     a shell script that runs :mod:`npu_conformance.prefork_spawn` (standard library, no site),
-    which hands a spawn start to the zygote at ``socket_path`` and relays its exit code and
-    signals; anything that is not a plain spawn start runs the real interpreter."""
+    which hands a spawn start (or vLLM's model-registry run, which the child points here too)
+    to the zygote at ``socket_path`` and relays its exit code and signals; anything else runs
+    the real interpreter."""
     proxy = Path(__file__).with_name("prefork_spawn.py")
     words = " ".join(shlex.quote(w) for w in (sys.executable, "-S", "-E", str(proxy), socket_path, sys.executable))
     return f"#!/bin/sh\nexec {words} \"$@\"\n"

@@ -35,8 +35,12 @@ docstring of :mod:`npu_conformance.prefork` lists):
   would run it (``sys.argv == ["-c", *ARGS]``, a new ``__main__``, ``sys.path[0] == ""``);
 - ``kind == "spawn"``: the same, for :mod:`multiprocessing`'s spawn start method: ``PROGRAM``
   must be its ``spawn_main`` call and ``ARGS`` ``["--multiprocessing-fork"]``;
+- ``kind == "module"``: ``argv`` is ``["-m", MODULE]`` with ``MODULE`` in :data:`MODULES`; it
+  runs as ``python -m MODULE`` would run it (``runpy.run_module`` as ``__main__``,
+  ``sys.argv[0]`` its file, ``sys.path[0]`` the directory);
 - with ``spawn_executable`` in the request, :func:`multiprocessing.set_executable` gets it
-  first (a launcher of ``npu_conformance/prefork_spawn.py``: the child's spawns come back here);
+  first (a launcher of ``npu_conformance/prefork_spawn.py``: the child's spawns come back here),
+  and so does vLLM's model-registry run (:func:`_route_module_runs`);
 - with ``"session": true``, it starts a new session (``os.setsid``, as ``subprocess.Popen``'s
   ``start_new_session``): its pid is its process group's id;
 - its descriptors are exactly ``fds`` (every other one is closed), its environment exactly
@@ -61,6 +65,12 @@ PR_SET_PDEATHSIG = 1
 SPAWN_PROGRAM = re.compile(r"from multiprocessing\.spawn import spawn_main; "
                            r"spawn_main\(tracker_fd=\d+, pipe_handle=\d+\)")
 MAX_FDS = 250
+#: Modules a child may run as ``python -m MODULE`` (``kind == "module"``; the same tuple as
+#: ``prefork_spawn.MODULES``). vLLM inspects a model class it has not met (no entry in its
+#: ``modelinfos`` cache) in a new interpreter running its registry module, which imports vLLM,
+#: torch and the model's module again: about 6 s per architecture on 2 cores.
+MODULES = ("vllm.model_executor.models.registry",)
+REGISTRY = "vllm.model_executor.models.registry"
 #: Set by ``main`` in a zygote that imported ``--record`` modules (a "vLLM zygote", itself forked
 #: from a zygote for its environment): which variables those imports read (``None``: all, the
 #: environment was iterated), and what they wrote (``None``: deleted), replayed in every child.
@@ -160,7 +170,14 @@ def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
             import multiprocessing
 
             multiprocessing.set_executable(request["spawn_executable"])
-        if request["kind"] in ("serve", "script"):
+            _route_module_runs(request["spawn_executable"])
+        if request["kind"] == "module":
+            import runpy
+
+            sys.argv = list(argv[1:])  # run_module puts the module's file first (alter_sys)
+            sys.path[0] = os.getcwd()
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif request["kind"] in ("serve", "script"):
             import runpy
 
             sys.argv = argv
@@ -183,6 +200,50 @@ def _become(request: dict, fds: list[int]) -> "NoReturn":  # noqa: F821
         sys.excepthook(*sys.exc_info())
         code = 1
     _interpreter_exit(code)
+
+
+def _route_module_runs(launcher: str) -> None:
+    """Point vLLM's model-registry run at ``launcher`` (which hands ``-m`` runs of
+    :data:`MODULES` to this zygote): vLLM documents its ``_SUBPROCESS_COMMAND`` as the value to
+    change when ``sys.executable`` is not what should run it. Set now when the child already
+    imported the registry (a vLLM zygote's child), else the moment its import finishes."""
+    command = [launcher, "-m", REGISTRY]
+    module = sys.modules.get(REGISTRY)
+    if module is not None:
+        module._SUBPROCESS_COMMAND = command
+    else:
+        sys.meta_path.insert(0, _AfterImport(REGISTRY, lambda m: setattr(m, "_SUBPROCESS_COMMAND", command)))
+
+
+class _AfterImport:
+    """A meta path finder that runs ``then(module)`` once ``name``'s import has executed it
+    (found by the finders after this one), then leaves ``sys.meta_path``."""
+
+    def __init__(self, name: str, then) -> None:
+        self.name, self.then = name, then
+
+    def find_spec(self, name, path=None, target=None):
+        if name != self.name:
+            return None
+        sys.meta_path.remove(self)
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find else None
+            if spec is not None:
+                break
+        else:
+            return None
+        loader, then = spec.loader, self.then
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        exec_module = loader.exec_module
+
+        def run(module):
+            exec_module(module)
+            then(module)
+
+        loader.exec_module = run
+        return spec
 
 
 def _fresh_process_state(cmdline: list) -> None:
@@ -258,7 +319,7 @@ def _serve(listener: socket.socket) -> None:
 
 
 def _acceptable(request: dict) -> bool:
-    """``serve`` / ``script``; or ``python`` / ``spawn`` whose argv is ``[*FLAGS, "-c", PROGRAM, *ARGS]``
+    """``serve`` / ``script``; ``module`` running one of :data:`MODULES`; or ``python`` / ``spawn`` whose argv is ``[*FLAGS, "-c", PROGRAM, *ARGS]``
     with FLAGS none or this interpreter's own (``-B``, ``-X``, ``-W``... as ``multiprocessing``
     derives them; a child forked from here has exactly these, and a new interpreter with the
     zygote's environment and no flags would too); ``spawn`` also needs PROGRAM to be
@@ -268,6 +329,8 @@ def _acceptable(request: dict) -> bool:
         return False
     if kind in ("serve", "script"):
         return True
+    if kind == "module":
+        return list(request.get("argv", ())) in (["-m", m] for m in MODULES)
     if kind not in ("python", "spawn"):
         return False
     import subprocess
@@ -362,7 +425,14 @@ def _start_child(listener: socket.socket, children: dict, watched: dict) -> None
         conn.close()
         return
     if not _acceptable(request):
-        print(f"zygote: refused {request.get('kind')!r} argv {request.get('argv')!r}", file=sys.stderr, flush=True)
+        why = ""
+        if _RECORDED:
+            env = request.get("env", {})
+            keys = sorted(_ZYGOTE_ENV.keys() | env.keys()) if _IMPORT_READS is None else (*_IMPORT_READS, *HOOK_VARIABLES)
+            differ = sorted({k for k in keys if not _same_value(env, k)})
+            if differ:
+                why = f" (its environment differs where the imports read: {', '.join(differ)})"
+        print(f"zygote: refused {request.get('kind')!r} argv {request.get('argv')!r}{why}", file=sys.stderr, flush=True)
         for fd in fds:
             os.close(fd)
         try:

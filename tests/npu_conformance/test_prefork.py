@@ -374,7 +374,7 @@ SHOW = textwrap.dedent('''\
     import json, os, sys
     mod = sys.modules.get("envmod")
     print(json.dumps({{"seen": getattr(mod, "SEEN", "not imported"), "ppid": os.getppid(),
-                       "env": {{k: v for k, v in os.environ.items() if k.startswith("VLLM_")}}}}))
+                       "env": {{k: v for k, v in os.environ.items() if k.startswith("VLLM_") and k.endswith(("_AT_IMPORT", "_LATER"))}}}}))
 ''')
 
 
@@ -524,3 +524,101 @@ def test_a_zygote_with_a_live_child_is_not_evicted_and_its_children_die_with_it(
         os.kill(parent.proc.pid, signal.SIGKILL)  # the zygote that forked it dies
         assert _gone(child.pid), f"a child of a {kind} zygote outlived it"
         assert child.wait(30) == -signal.SIGKILL
+
+
+
+#: A stand-in for vLLM's registry module at its import name: what vLLM's runs it (``python -m``)
+#: with a pickled callable on stdin, as vLLM's ``_run_in_subprocess`` does.
+FAKE_REGISTRY = textwrap.dedent('''\
+    import json, os, sys
+    _SUBPROCESS_COMMAND = [sys.executable, "-m", __name__]
+
+    def where():
+        return {"ppid": os.getppid(), "argv": sys.argv, "path0": sys.path[0], "main": __name__,
+                "stdin": sys.stdin.read()}
+
+    if __name__ == "__main__":
+        print(json.dumps(where()))
+''')
+REGISTRY_USER = textwrap.dedent('''\
+    #!{python}
+    import json, subprocess, sys
+    from vllm.model_executor.models import registry
+    def run(command):
+        out = subprocess.run(command, input=b"pickled", capture_output=True, check=True)
+        return json.loads(out.stdout)
+    if __name__ == "__main__":
+        print(json.dumps({{"command": registry._SUBPROCESS_COMMAND, "routed": run(registry._SUBPROCESS_COMMAND),
+                          "new": run([sys.executable, "-m", registry.__name__])}}))
+''')
+
+
+@pytest.mark.parametrize("switch", ["1", "deps"])
+def test_vllm_s_model_registry_run_is_forked_by_the_zygote_as_python_m_runs_it(zygotes, tmp_path, monkeypatch, switch):
+    """vLLM inspects a model class it has not met in a new interpreter (``python -m
+    vllm.model_executor.models.registry``, whose ``_SUBPROCESS_COMMAND`` vLLM documents as the
+    value to change). A forked child points it at its zygote's launcher, whether it imported
+    the registry before the fork (``1``: a vLLM zygote preloads it here) or after (``deps``);
+    the run is then forked by the zygote, with what ``python -m`` gives a module: its file as
+    ``sys.argv[0]``, the directory first on ``sys.path``, ``__main__``, the same stdin."""
+    pkg = tmp_path / "fake" / "vllm" / "model_executor" / "models"
+    pkg.mkdir(parents=True)
+    for d in (pkg, pkg.parent, pkg.parent.parent):
+        (d / "__init__.py").write_text("")
+    (pkg / "registry.py").write_text(FAKE_REGISTRY)
+    script = tmp_path / "user"
+    script.write_text(REGISTRY_USER.format(python=sys.executable))
+    monkeypatch.setenv(prefork.ENV_SWITCH, switch)
+    if switch == "1":
+        monkeypatch.setattr(prefork, "VLLM_PRELOAD", ("vllm.model_executor.models.registry",))
+    log = tmp_path / "user.log"
+    with open(log, "w") as fh:
+        proc = prefork.launch([str(script)], env=_env(PYTHONPATH=str(tmp_path / "fake")), stdout=fh.fileno(),
+                              cwd=str(tmp_path))
+    assert proc.wait(60) == 0, log.read_text()
+    got = json.loads(log.read_text().splitlines()[-1])
+    zygote = next(iter((prefork._vllm_zygotes if switch == "1" else zygotes).values()))
+    assert bool(prefork._vllm_zygotes) == (switch == "1")
+    assert got["command"] == [str(zygote.launcher), "-m", "vllm.model_executor.models.registry"]
+    assert got["routed"]["ppid"] == zygote.proc.pid, zygote.log.read_text()
+    assert got["new"]["ppid"] == proc.pid
+    for key in ("argv", "path0", "main", "stdin"):
+        assert got["routed"][key] == got["new"][key], key
+    assert got["routed"]["argv"] == [str(pkg / "registry.py")] and got["routed"]["stdin"] == "pickled"
+
+
+
+REGISTRY_PROBE = textwrap.dedent('''\
+    #!{python}
+    import json, os
+    from vllm.model_executor.models import registry
+
+    def inspect():
+        return os.getppid(), registry._ModelInfo.from_model_cls(
+            registry.ModelRegistry.models["LlamaForCausalLM"].load_model_cls())
+
+    if __name__ == "__main__":
+        ppid, info = registry._run_in_subprocess(inspect)
+        print(json.dumps({{"ppid": ppid, "info": repr(info)}}))
+''')
+
+
+@pytest.mark.slow
+def test_vllm_s_model_registry_answers_from_the_zygote_what_it_answers_in_process(tmp_path):
+    """The real thing, with this process's zygotes (the suite's own): a forked start's
+    inspection of Llama comes from its vLLM zygote and holds what vLLM finds in this process."""
+    pytest.importorskip("vllm")
+    from vllm.model_executor.models import registry
+
+    script = tmp_path / "registry_probe"
+    script.write_text(REGISTRY_PROBE.format(python=sys.executable))
+    log = tmp_path / "registry.log"
+    env = {**_env(), prefork.ENV_SWITCH: "1"}
+    with open(log, "w") as fh:
+        proc = prefork.launch([str(script)], env=env, stdout=fh.fileno(), cwd=str(tmp_path))
+    assert proc.wait(300) == 0, log.read_text()[-4000:]
+    got = json.loads(log.read_text().splitlines()[-1])
+    zygote = prefork.vllm_zygote_for(env)
+    assert zygote is not None and got["ppid"] == zygote.proc.pid, zygote.log.read_text()[-3000:]
+    here = registry._ModelInfo.from_model_cls(registry.ModelRegistry.models["LlamaForCausalLM"].load_model_cls())
+    assert got["info"] == repr(here)
