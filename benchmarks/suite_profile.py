@@ -11,6 +11,8 @@ process) and a JUnit report in ``DIR/junit.xml``, samples the machine's memory i
 ``benchmarks/peak_memory.py`` does, and prints the report. ``report`` prints it again from DIR:
 
 - the wall time, the peak memory in use, the test counts;
+- vLLM's model-registry inspections (one process per architecture new to ``~/.cache/vllm``):
+  how many, and their seconds from process start to exit;
 - every engine start: which test or fixture started it, its target and arguments, and its
   phases (front end: process start to parsed arguments; spawn: the engine core's process start
   to its first log line, i.e. the interpreter, ``import vllm`` and the rest; engine: engine
@@ -47,6 +49,8 @@ sys.path.insert(0, str(ROOT / "conformance"))
 from npu_conformance.starts import load_procs, per_module, starts_of  # noqa: E402
 
 GIB = 1024 ** 3
+#: argv[0] of vLLM's model-registry inspection (``python -m vllm.model_executor.models.registry``).
+REGISTRY_FILE = "vllm/model_executor/models/registry.py"
 
 
 # ---------------------------------------------------------------------------- junit
@@ -115,6 +119,12 @@ def report(out: Path, markdown: bool = False) -> str:
     if with_cpu:
         lines.append(f"CPU of the vLLM processes that exited normally: {sum(p.cpu_s for p in with_cpu):.0f} s "
                      f"in {len(with_cpu)} of {len(procs)} processes")
+    registry = [p for p in procs.values() if p.argv and p.argv[0].endswith(REGISTRY_FILE)
+                and p.created is not None and p.ended is not None]
+    if registry:
+        secs = [p.ended - p.created for p in registry]
+        lines.append(f"vLLM model-registry inspections (a process per architecture new to ~/.cache/vllm): "
+                     f"{len(registry)}, median {statistics.median(secs):.1f} s, {sum(secs):.0f} s in all")
     modules = per_module(starts)
     lines.append("")
     lines.append("| starts | module (or fixture) |" if markdown else "starts per module:")
