@@ -241,6 +241,8 @@ class Zygote:
         self.socket = str(self.dir / "zygote.sock")
         self.log = self.dir / "zygote.log"
         self.env = dict(env)
+        #: the plain zygote a vLLM zygote was forked from (None: this is a plain zygote)
+        self.base = parent
         self.reads: frozenset[str] | None = frozenset()
         #: what it forked for this process (a vLLM zygote's own among its parent's)
         self.children: list[PreforkProcess] = []
@@ -411,6 +413,7 @@ def _evict(registry: OrderedDict, limit: int) -> None:
 
 
 _vllm_zygotes: OrderedDict[int, Zygote] = OrderedDict()
+#: the whole environments whose vLLM zygote could not start (their starts fork from the plain zygote)
 _vllm_refused: set[tuple] = set()
 
 
@@ -420,7 +423,6 @@ def vllm_zygote_for(env: Mapping[str, str]) -> Zygote | None:
     (its vLLM imports failed or started a thread: the reason is printed once to stderr, and
     ``env``'s starts fork from the plain zygote)."""
     base = zygote_for(env)
-    key = import_key(env)
     with _lock:
         for ident, zygote in list(_vllm_zygotes.items()):
             if zygote.proc.poll() is not None:  # ended (with its plain zygote, say)
@@ -429,11 +431,10 @@ def vllm_zygote_for(env: Mapping[str, str]) -> Zygote | None:
             elif zygote.base is base and zygote.serves(env):
                 _vllm_zygotes.move_to_end(ident)
                 return zygote
-        full = (key, tuple(sorted(env.items())))
+        full = tuple(sorted(env.items()))
         if full in _vllm_refused:
             return None
         zygote = Zygote(env, parent=base)
-        zygote.base = base
         try:
             zygote.wait_ready()
         except PreforkError as exc:

@@ -69,8 +69,8 @@ MAX_FDS = 250
 #: ``prefork_spawn.MODULES``). vLLM inspects a model class it has not met (no entry in its
 #: ``modelinfos`` cache) in a new interpreter running its registry module, which imports vLLM,
 #: torch and the model's module again: about 6 s per architecture on 2 cores.
-MODULES = ("vllm.model_executor.models.registry",)
 REGISTRY = "vllm.model_executor.models.registry"
+MODULES = (REGISTRY,)
 #: Set by ``main`` in a zygote that imported ``--record`` modules (a "vLLM zygote", itself forked
 #: from a zygote for its environment): which variables those imports read (``None``: all, the
 #: environment was iterated), and what they wrote (``None``: deleted), replayed in every child.
