@@ -2,9 +2,10 @@
 
 The device returns logits; sampling (temperature, top-p, top-k, seeds, logprobs, bad words and
 the frequency / presence / repetition penalties) runs on the CPU with vLLM's sampler, as
-vllm-mblt and vllm-rbln (with ``--no-rbln-use-custom-sampler``) do. A device may switch the
-penalties off (MBLT: ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0``, see
-:mod:`vllm_npu.mblt.sampling`); the sampler then logs once which ones it dropped.
+vllm-mblt and vllm-rbln (with ``--no-rbln-use-custom-sampler``) do. A device whose vendor has a
+switch for the penalties passes its value and its name (MBLT: ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0``,
+see :mod:`vllm_npu.mblt.sampling`); the sampler then logs once which ones it dropped. The
+sampler reads no switch itself, so one device's switch never reaches another's sampler.
 """
 
 from __future__ import annotations
@@ -85,18 +86,24 @@ class HostSampler:
 
     Args:
         vocab_size: logits width.
-        enable_penalties: apply frequency/presence/repetition penalties (default: on, unless
-            ``$VLLM_MBLT_ENABLE_SAMPLING_PENALTIES`` turns them off).
-        switch: the setting that turned them off, named in the warning.
+        enable_penalties: apply frequency/presence/repetition penalties (default on; a device
+            with a vendor switch passes its value, e.g. MBLT's :func:`penalties_enabled`).
+        switch: the setting that turned them off, named in the warning (required when
+            ``enable_penalties`` is False).
         log: where the warning goes (default ``vllm.vllm_npu``).
+
+    Raises:
+        ValueError: penalties off without the ``switch`` that turned them off.
     """
 
-    def __init__(self, vocab_size: int, enable_penalties: bool | None = None,
-                 switch: str = PENALTIES_ENV, log: logging.Logger | None = None) -> None:
+    def __init__(self, vocab_size: int, enable_penalties: bool = True,
+                 switch: str | None = None, log: logging.Logger | None = None) -> None:
         from vllm.v1.sample.sampler import Sampler
 
+        if not enable_penalties and not switch:
+            raise ValueError("HostSampler(enable_penalties=False) needs the switch that turned them off")
         self.vocab_size = int(vocab_size)
-        self.enable_penalties = penalties_enabled() if enable_penalties is None else enable_penalties
+        self.enable_penalties = bool(enable_penalties)
         self.switch = switch
         self.log = log or logger
         self._sampler = Sampler(logprobs_mode="raw_logprobs")

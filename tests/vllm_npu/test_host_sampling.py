@@ -71,3 +71,25 @@ def test_penalties_switch_refuses_other_words(value):
     with pytest.raises(SamplingSettingError) as info:
         penalties_enabled({PENALTIES_ENV: value})
     assert f"{PENALTIES_ENV}={value!r}" in str(info.value) and "0, false, no, off" in str(info.value)
+
+
+def test_mblt_s_penalties_switch_never_reaches_another_device_s_sampler(monkeypatch):
+    """The RBLN and Neuron workers build the sampler without a switch: MBLT's
+    ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0`` (once read by every sampler) leaves their penalties
+    on. A strong repetition penalty then moves greedy decoding off the token already generated."""
+    from vllm_npu.host_sampling import PENALTIES_ENV
+
+    monkeypatch.setenv(PENALTIES_ENV, "0")
+    logits = np.zeros((1, VOCAB), np.float32)
+    logits[0, 5], logits[0, 6] = 2.0, 1.0
+    req = [SampleRequest(SamplingParams(temperature=0.0, repetition_penalty=4.0), [1], [5], None)]
+    sampler = HostSampler(VOCAB)
+    assert sampler.enable_penalties is True
+    assert sampler.sample(logits.copy(), req)[0] == [6]
+    off = HostSampler(VOCAB, enable_penalties=False, switch=PENALTIES_ENV)
+    assert off.sample(logits.copy(), req)[0] == [5]
+
+
+def test_penalties_off_needs_the_switch_that_turned_them_off():
+    with pytest.raises(ValueError, match="needs the switch"):
+        HostSampler(VOCAB, enable_penalties=False)

@@ -75,7 +75,7 @@ from vllm_npu.mblt.platform import artifact_config
 from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.vlm import is_vlm_release
-from vllm_npu.mblt.sampling import HostSampler, SampleRequest
+from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, SampleRequest, penalties_enabled
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
 
@@ -417,7 +417,8 @@ class MbltWorker(NpuWorker):
         self.runtime = runtime
         self.table = SlotTable(backend.dump, backend.load, self.cost_model.observe_dump,
                                self.cost_model.observe_load, self._on_displaced)
-        self.sampler = HostSampler(backend.vocab_size, log=logger)
+        self.sampler = HostSampler(backend.vocab_size, enable_penalties=penalties_enabled(), switch=PENALTIES_ENV,
+                                   log=logger)
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
         logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))
