@@ -352,9 +352,16 @@ HOOK_VARIABLES = ("NPU_HARNESS_TARGET", "NPUSIM_ALIAS")
 def _same_import_env(env: dict) -> bool:
     """Whether ``env`` equals this (vLLM) zygote's environment wherever its recorded imports,
     or its start-up hooks, read it."""
+    return not _import_env_differs(env)
+
+
+def _import_env_differs(env: dict) -> "list[str]":
+    """The variables where ``env`` differs from this (vLLM) zygote's environment as far as its
+    recorded imports and start-up hooks read it (every variable when the imports iterated the
+    environment)."""
     if _IMPORT_READS is None:
-        return env == _ZYGOTE_ENV
-    return all(_same_value(env, k) for k in (*_IMPORT_READS, *HOOK_VARIABLES))
+        return sorted(k for k in _ZYGOTE_ENV.keys() | env.keys() if env.get(k) != _ZYGOTE_ENV.get(k))
+    return sorted({k for k in (*_IMPORT_READS, *HOOK_VARIABLES) if not _same_value(env, k)})
 
 
 def _same_value(env: dict, key: str) -> bool:
@@ -425,13 +432,8 @@ def _start_child(listener: socket.socket, children: dict, watched: dict) -> None
         conn.close()
         return
     if not _acceptable(request):
-        why = ""
-        if _RECORDED:
-            env = request.get("env", {})
-            keys = sorted(_ZYGOTE_ENV.keys() | env.keys()) if _IMPORT_READS is None else (*_IMPORT_READS, *HOOK_VARIABLES)
-            differ = sorted({k for k in keys if not _same_value(env, k)})
-            if differ:
-                why = f" (its environment differs where the imports read: {', '.join(differ)})"
+        differ = _import_env_differs(request.get("env", {})) if _RECORDED else []
+        why = f" (its environment differs where the imports read: {', '.join(differ)})" if differ else ""
         print(f"zygote: refused {request.get('kind')!r} argv {request.get('argv')!r}{why}", file=sys.stderr, flush=True)
         for fd in fds:
             os.close(fd)
