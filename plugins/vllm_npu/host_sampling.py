@@ -11,8 +11,7 @@ sampler reads no switch itself, so one device's switch never reaches another's s
 from __future__ import annotations
 
 import logging
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,33 +19,7 @@ import torch
 
 logger = logging.getLogger("vllm.vllm_npu")
 
-PENALTIES_ENV = "VLLM_MBLT_ENABLE_SAMPLING_PENALTIES"
 _GREEDY_EPS = 1e-5
-_FALSE = {"0", "false", "no", "off"}
-_TRUE = {"1", "true", "yes", "on"}
-
-
-class SamplingSettingError(ValueError):
-    """A sampling switch holds a value that is neither on nor off (the message names it)."""
-
-
-def penalties_enabled(environ: Mapping[str, str] | None = None) -> bool:
-    """``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES``: on when unset or empty, or 1/true/yes/on; off
-    for 0/false/no/off (any case).
-
-    Raises:
-        SamplingSettingError: any other value (named, with the accepted ones).
-    """
-    env = os.environ if environ is None else environ
-    raw = env.get(PENALTIES_ENV, "")
-    value = raw.strip().lower()
-    if value in _FALSE:
-        return False
-    if not value or value in _TRUE:
-        return True
-    raise SamplingSettingError(
-        f"{PENALTIES_ENV}={raw!r} is neither on (1, true, yes, on) nor off (0, false, no, off)"
-    )
 
 
 def num_logprobs(params: object, vocab_size: int, field: str = "logprobs") -> int | None:
@@ -87,7 +60,7 @@ class HostSampler:
     Args:
         vocab_size: logits width.
         enable_penalties: apply frequency/presence/repetition penalties (default on; a device
-            with a vendor switch passes its value, e.g. MBLT's :func:`penalties_enabled`).
+            with a vendor switch passes its value, e.g. MBLT's :func:`vllm_npu.mblt.sampling.penalties_enabled`).
         switch: the setting that turned them off, named in the warning (required when
             ``enable_penalties`` is False).
         log: where the warning goes (default ``vllm.vllm_npu``).

@@ -57,7 +57,7 @@ def test_logprobs_minus_one_returns_every_token_equal_to_log_softmax():
                                            ("yes", True), ("0", False), ("false", False), (" Off ", False),
                                            ("no", False)])
 def test_penalties_switch_values(value, on):
-    from vllm_npu.host_sampling import PENALTIES_ENV, penalties_enabled
+    from vllm_npu.mblt.sampling import PENALTIES_ENV, penalties_enabled
 
     env = {} if value is None else {PENALTIES_ENV: value}
     assert penalties_enabled(env) is on
@@ -66,7 +66,7 @@ def test_penalties_switch_values(value, on):
 @pytest.mark.parametrize("value", ["maybe", "2", "disable", "nein"])
 def test_penalties_switch_refuses_other_words(value):
     """Once any word but 0/false/no/off meant "on"."""
-    from vllm_npu.host_sampling import PENALTIES_ENV, SamplingSettingError, penalties_enabled
+    from vllm_npu.mblt.sampling import PENALTIES_ENV, SamplingSettingError, penalties_enabled
 
     with pytest.raises(SamplingSettingError) as info:
         penalties_enabled({PENALTIES_ENV: value})
@@ -77,7 +77,7 @@ def test_mblt_s_penalties_switch_never_reaches_another_device_s_sampler(monkeypa
     """The RBLN and Neuron workers build the sampler without a switch: MBLT's
     ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0`` (once read by every sampler) leaves their penalties
     on. A strong repetition penalty then moves greedy decoding off the token already generated."""
-    from vllm_npu.host_sampling import PENALTIES_ENV
+    from vllm_npu.mblt.sampling import PENALTIES_ENV
 
     monkeypatch.setenv(PENALTIES_ENV, "0")
     logits = np.zeros((1, VOCAB), np.float32)
