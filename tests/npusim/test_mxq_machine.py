@@ -38,13 +38,13 @@ def test_env_is_read_lazily_and_reread_when_it_changes(mxq_machine, monkeypatch)
 
 @pytest.mark.parametrize(
     ("env", "message"),
-    [('{"devcies": 1}', "NPUSIM_MXQ: unknown field 'devcies'"),
+    [('{"devcies": 1}', "NPUSIM_MXQ: unknown keys ['devcies']; known: bad_alloc_at_launch, device_memory_mib"),
      ('{"pace": 1}', "NPUSIM_MXQ: pace=1 must be true or false"),
      ('{"devices": -1}', "NPUSIM_MXQ: devices=-1 must be an integer >= 0"),
      ('{"infer_fixed_us": -5}', "NPUSIM_MXQ: infer_fixed_us=-5 must be a number >= 0"),
      ('{"infer_fail_status": "Oops"}', "NPUSIM_MXQ: infer_fail_status='Oops' must be one of"),
-     ('[1]', "NPUSIM_MXQ: must be a JSON object"),
-     ('{bad', "NPUSIM_MXQ: not valid JSON")],
+     ('[1]', "NPUSIM_MXQ='[1]' must be a JSON object, got list"),
+     ('{bad', "NPUSIM_MXQ='{bad' is not valid JSON")],
 )
 def test_bad_env_names_the_field_and_rule(mxq_machine, monkeypatch, env, message):
     monkeypatch.setenv("NPUSIM_MXQ", env)
@@ -56,7 +56,7 @@ def test_bad_env_names_the_field_and_rule(mxq_machine, monkeypatch, env, message
 def test_configure_rejects_bad_values(mxq_machine):
     with pytest.raises(ValueError, match=r"bad_alloc_at_launch=0 must be null or an integer >= 1"):
         mxq_machine.configure(bad_alloc_at_launch=0)
-    with pytest.raises(ValueError, match=r"unknown field 'speed'"):
+    with pytest.raises(ValueError, match=r"npusim.mxq.machine.configure: unknown keys \['speed'\]"):
         mxq_machine.configure(speed=2)
 
 

@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from npusim.env_settings import FaultSchedule
+
 import npusim.neff as nrt
 from npusim.neff import config
 
@@ -85,8 +87,8 @@ def test_npusim_neff_parse_cached(monkeypatch):
     monkeypatch.setenv("NPUSIM_NEFF", '{"fault": {"after_calls": 2, "times": null}}')
     s = config.settings()
     assert s is config.settings()
-    assert s.fault == config.Fault(2, None) and s.fault.hits(3) and s.fault.hits(99) and not s.fault.hits(2)
-    assert config.Fault(1, 2).hits(3) and not config.Fault(1, 2).hits(4)
+    assert s.fault == FaultSchedule(2, None) and s.fault.strikes(3) and s.fault.strikes(99) and not s.fault.strikes(2)
+    assert FaultSchedule(1, 2).strikes(3) and not FaultSchedule(1, 2).strikes(4)
 
 
 def test_configure_visible_cores(monkeypatch):

@@ -88,7 +88,7 @@ def test_set_defaults_reaches_the_gemm_levels():
 
 
 def test_set_defaults_rejects_unknown_keys_and_values_and_changes_nothing():
-    with pytest.raises(OptionError, match=r"unknown npusim.q4x32 option 'roundng'; expected one of rounding, dot"):
+    with pytest.raises(OptionError, match=r"set_defaults\(\): unknown keys \['roundng'\]; known: dot, m4, order, overflow, rounding"):
         q.set_defaults(roundng="fused")
     with pytest.raises(OptionError, match=r"set_defaults\(\): overflow='clip' is not one of 'inf', 'saturate'"):
         q.set_defaults(rounding="fused", overflow="clip")
@@ -117,9 +117,9 @@ def test_env_json_sets_the_defaults(monkeypatch):
 
 @pytest.mark.parametrize("text,message", [
     ("{rounding: fused}", r"NPUSIM_Q4X32='\{rounding: fused\}' is not valid JSON"),
-    ('["fused"]', r"NPUSIM_Q4X32='\[\"fused\"\]' must be a JSON object of option: value, got list"),
+    ('["fused"]', r"NPUSIM_Q4X32='\[\"fused\"\]' must be a JSON object, got list"),
     ('{"rounding": "fma"}', r"NPUSIM_Q4X32: rounding='fma' is not one of 'unfused', 'fused'"),
-    ('{"m5": "grouped"}', r"NPUSIM_Q4X32: unknown npusim.q4x32 option 'm5'"),
+    ('{"m5": "grouped"}', r"NPUSIM_Q4X32: unknown keys \['m5'\]; known: dot, m4, order, overflow, rounding"),
 ])
 def test_bad_env_is_an_error_at_every_use(monkeypatch, text, message):
     monkeypatch.setenv(ENV_DEFAULTS, text)

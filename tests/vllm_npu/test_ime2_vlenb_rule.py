@@ -160,7 +160,7 @@ def test_python_setting_reaches_the_c_library(fresh_setting, monkeypatch):
 @pytest.mark.parametrize("raw", ["2", "maybe", "enabled"])
 def test_malformed_environment_value_is_named(fresh_setting, monkeypatch, raw):
     monkeypatch.setenv(ENV, raw)
-    with pytest.raises(kernel.FallbackSettingError, match=rf"{ENV}='{raw}' must be one of 1, true"):
+    with pytest.raises(kernel.FallbackSettingError, match=rf"{ENV}='{raw}' is not a switch: expected 1, true, yes, on \(on\) or 0, false"):
         kernel.allow_fallback_setting()
     kernel.set_allow_fallback(None)  # never raises; the C side reads "off"
     assert fresh_setting.npu_ime2_allow_fallback() == 0

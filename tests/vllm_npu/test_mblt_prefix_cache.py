@@ -79,8 +79,8 @@ def test_boolish_words(word, expected):
 
 
 @pytest.mark.parametrize("env_var, value, words", [
-    ("VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD", "enabled", ["boolean"]),
-    ("VLLM_MBLT_PREFIX_CACHE_CALIBRATE", "2", ["boolean"]),
+    ("VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD", "enabled", ["switch", "1, true, yes, on"]),
+    ("VLLM_MBLT_PREFIX_CACHE_CALIBRATE", "2", ["switch", "0, false, no, off"]),
     ("VLLM_MBLT_PREFIX_CACHE_MIN_HIT_TOKENS", "-4", ["integer"]),
     ("VLLM_MBLT_PREFIX_CACHE_MIN_HIT_TOKENS", "1.5", ["integer"]),
     ("VLLM_MBLT_PREFIX_CACHE_LOAD_MARGIN", "0", ["> 0"]),

@@ -186,7 +186,7 @@ def test_core_targets_round_trip(dev, cluster, core):
     ({"max_batch_size": {}}, ["max_batch_size={}", "at least one"]),
     ({"max_batch_size": {"global2": 4}}, ["max_batch_size key 'global2'", "core mode"]),
     ({"max_batch_size": {"single": 0}}, ["max_batch_size['single']=0"]),
-    ({"prefix_cache_auto_threshold": "maybe"}, ["prefix_cache_auto_threshold='maybe'", "boolean"]),
+    ({"prefix_cache_auto_threshold": "maybe"}, ["prefix_cache_auto_threshold='maybe'", "switch"]),
     ({"prefix_cache_auto_threshold": 2}, ["prefix_cache_auto_threshold=2"]),
     ({"prefix_cache_min_hit_tokens": -1}, ["prefix_cache_min_hit_tokens=-1", ">= 0"]),
     ({"prefix_cache_min_hit_tokens": 1.5}, ["prefix_cache_min_hit_tokens=1.5"]),

@@ -54,7 +54,7 @@ def test_ods_dict():
 @pytest.mark.parametrize("ods, text", [
     ({"max_top_k": 0}, "max_top_k must be a positive integer, got 0"),
     ({"sampling_dp_degree": -1}, "sampling_dp_degree must be a positive integer, got -1"),
-    ({"all_greedy": "maybe"}, "all_greedy must be a boolean, got 'maybe'"),
+    ({"all_greedy": "maybe"}, "all_greedy='maybe' is not a switch: expected 1, true, yes, on (on) or 0, false, no, off (off)"),
     ({"temperature": "hot"}, "temperature must be a number, got 'hot'"),
     ({"temperature": -1}, "temperature must be non-negative, got -1.0"),
     ({"top_p": 0}, "top_p must be in (0, 1], got 0.0"),
@@ -103,7 +103,8 @@ def test_quantization_and_switches():
     c = P({"neuron_config": {"quantization": "mxfp4", "fp8_packed_kv": True, "gk_decode": "1"}})
     assert (c.quantization, c.fp8_packed_kv, c.gk_decode) == ("mxfp4", True, True)
     assert err({"neuron_config": {"quantization": 4}}) == "quantization must be a string, got int"
-    assert err({"neuron_config": {"gk_decode": "x"}}) == "gk_decode must be a boolean, got 'x'"
+    assert err({"neuron_config": {"gk_decode": "x"}}) == \
+        "gk_decode='x' is not a switch: expected 1, true, yes, on (on) or 0, false, no, off (off)"
 
 
 def test_unknown_key_named_with_known_list():

@@ -180,9 +180,9 @@ BAD = {
     "override-eager-partition": (["--out", "{out}", "--optimum-overrides", '{"kvcache_partition_len": 512}'], {},
                                  "rbln_overrides conflict with vllm-derived compile config: kvcache_partition_len "
                                  "(compiled=None, override=512)"),
-    "override-not-json": (["--out", "{out}", "--optimum-overrides", "{batch"], {}, "--optimum-overrides is not valid JSON"),
+    "override-not-json": (["--out", "{out}", "--optimum-overrides", "{batch"], {}, "--optimum-overrides='{batch' is not valid JSON"),
     "override-not-object": (["--out", "{out}", "--optimum-overrides", "[1]"], {},
-                            "--optimum-overrides must be a JSON object, got '[1]'"),
+                            "--optimum-overrides='[1]' must be a JSON object, got list"),
     "bucket-too-big": (["--out", "{out}", "--max-num-seqs", "2", "--decoder-batch-sizes", "4,2"], {},
                        "--decoder-batch-sizes 4,2: every size must be between 1 and --max-num-seqs 2"),
     "bucket-not-a-list": (["--out", "{out}", "--decoder-batch-sizes", "4;2"], {},

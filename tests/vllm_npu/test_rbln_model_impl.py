@@ -130,7 +130,7 @@ def test_a_disagreeing_legacy_variable_is_refused(raw, flag, config, legacy, giv
 
 @pytest.mark.parametrize(("raw", "flag", "impl"), [
     ("1", "vllm", "vllm"), ("TRUE", "vllm", "vllm"), ("0", "optimum", "optimum"),
-    ("no", "transformers", "optimum")])
+    ("false", "transformers", "optimum")])
 def test_an_agreeing_legacy_variable_warns(raw, flag, impl, rbln_caplog):
     caplog = rbln_caplog
     r = resolve(flag, None, {M.LEGACY_ENV: raw})
@@ -165,12 +165,23 @@ def test_an_unusable_inherited_path_is_refused(raw):
 
 
 @pytest.mark.parametrize(("raw", "impl"), [("1", "vllm"), ("True", "vllm"), ("0", "optimum"),
-                                           ("yes", "optimum")])
+                                           (" FALSE ", "optimum")])
 def test_the_legacy_variable_alone_selects_the_path(raw, impl, tmp_path):
     r = resolve(None, None, {M.LEGACY_ENV: raw}, compiled(tmp_path))
     assert (r.impl, r.selected_by) == (impl, "VLLM_RBLN_USE_VLLM_MODEL")
     assert r.remedy == ("Unset VLLM_RBLN_USE_VLLM_MODEL." if impl == "vllm" else "")
     assert r.warnings == (LEGACY_DEPRECATION,)
+
+
+@pytest.mark.parametrize("raw", ["yes", "on", "no", "2", "vllm"])
+@pytest.mark.parametrize("flag", [None, "vllm", "optimum"])
+def test_a_word_the_vendor_reads_otherwise_is_refused(raw, flag, tmp_path):
+    """vllm-rbln reads every word but true/1 as the optimum path: ``yes`` would take the vllm path
+    under a looser reading here and the optimum path on the board, so it is refused by name."""
+    with pytest.raises(M.ModelImplError) as err:
+        resolve(flag, None, {M.LEGACY_ENV: raw}, compiled(tmp_path))
+    assert str(err.value) == (f"VLLM_RBLN_USE_VLLM_MODEL={raw!r} is not a switch: expected 1, true (on) "
+                              "or 0, false (off)")
 
 
 def test_auto_takes_a_compiled_directory(tmp_path):

@@ -122,7 +122,7 @@ def test_json_values_are_coerced():
 
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"use_w8a8": "junk"},
-     "RBLNConfig.use_w8a8 must be bool, got 'junk': expected a boolean (true/false, 1/0)"),
+     "RBLNConfig.use_w8a8 must be bool, got 'junk': expected a switch: 1, true, yes, on (on) or 0, false, no, off (off)"),
     ({"decode_batch_bucket_limit": True},
      "RBLNConfig.decode_batch_bucket_limit must be int, got True: expected an integer, not a "
      "boolean"),
@@ -431,10 +431,16 @@ def test_empty_env_values_are_unset():
 
 @pytest.mark.parametrize(("env", "message"), [
     ({"VLLM_RBLN_USE_W8A8": "maybe"},
-     "VLLM_RBLN_USE_W8A8='maybe' is not a valid use_w8a8: expected a boolean (true/false, 1/0)"),
+     "VLLM_RBLN_USE_W8A8='maybe' is not a valid use_w8a8: expected a switch: 1, true (on) or 0, false (off)"),
     ({"VLLM_RBLN_TP_SIZE": "four"},
-     "VLLM_RBLN_TP_SIZE='four' is not a valid num_devices_per_local_rank: invalid literal for "
-     "int() with base 10: 'four'"),
+     "VLLM_RBLN_TP_SIZE='four' is not a valid num_devices_per_local_rank: expected an integer (an int or "
+     "a decimal digit string)"),
+    # vllm-rbln reads these words as off (its envs.py: value.lower() in ("true", "1")); read as on
+    # here they would test another configuration than the board runs, so they are refused
+    ({"VLLM_RBLN_SAMPLER": "yes"},
+     "VLLM_RBLN_SAMPLER='yes' is not a valid use_custom_sampler: expected a switch: 1, true (on) or 0, false (off)"),
+    ({"VLLM_RBLN_USE_W8A8": "on"},
+     "VLLM_RBLN_USE_W8A8='on' is not a valid use_w8a8: expected a switch: 1, true (on) or 0, false (off)"),
 ])
 def test_bad_env_values_name_the_variable(env, message):
     with pytest.raises(RBLNConfigError) as err:

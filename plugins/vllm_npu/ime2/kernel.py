@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_npu.settings import env_switch
+
 __all__ = [
     "ALLOW_FALLBACK_ENV",
     "BUILD_COMMAND",
@@ -362,26 +364,16 @@ _FALLBACK_OVERRIDE: bool | None = None
 _PUSHED: bool | None = None  # the value last given to npu_ime2_set_allow_fallback
 _IME2_BUILT: bool | None = None
 _FALLBACK_LOGGED: set[tuple[int, str]] = set()
-_ON = ("1", "true", "yes", "on")
-_OFF = ("", "0", "false", "no", "off")
 
 
 def _fallback_from_env() -> bool:
-    """``NPU_IME2_ALLOW_FALLBACK`` as a bool (unset: False).
+    """``NPU_IME2_ALLOW_FALLBACK`` as a switch (:func:`vllm_npu.settings.env_switch`; unset or
+    blank: False, refuse the fallback).
 
     Raises:
-        FallbackSettingError: the value is neither on nor off.
+        FallbackSettingError: the value is neither on nor off (named, with the accepted words).
     """
-    raw = os.environ.get(ALLOW_FALLBACK_ENV, "")
-    value = raw.strip().lower()
-    if value in _ON:
-        return True
-    if value in _OFF:
-        return False
-    raise FallbackSettingError(
-        f"{ALLOW_FALLBACK_ENV}={raw!r} must be one of {', '.join(_ON)} (allow the RVV/portable fallback) "
-        f"or {', '.join(repr(v) for v in _OFF)} (refuse, the default)"
-    )
+    return env_switch(ALLOW_FALLBACK_ENV, default=False, error=FallbackSettingError)
 
 
 def allow_fallback_setting() -> bool:

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from vllm_npu.settings import env_int
+
 from . import kernel
 
 __all__ = ["THREADS_ENV", "PackedQ4Weight", "default_threads", "pack_count"]
@@ -69,15 +71,9 @@ def default_threads(*, pool_state: Callable[[], Any] | None = None) -> int:
     Raises:
         ValueError: the variable is not an integer in 1..256 (the message names the value).
     """
-    raw = os.environ.get(THREADS_ENV)
-    if raw is not None:
-        try:
-            value = int(raw)
-        except ValueError:
-            value = 0
-        if not 1 <= value <= _MAX_THREADS:
-            raise ValueError(f"{THREADS_ENV}={raw!r} must be an integer between 1 and {_MAX_THREADS}")
-        return value
+    threads = env_int(THREADS_ENV, default=None, minimum=1, maximum=_MAX_THREADS)
+    if threads is not None:
+        return threads
     workers = _configured_workers(pool_state)
     if workers > 0:
         return min(workers, _MAX_THREADS)

@@ -25,6 +25,7 @@ import os
 from collections.abc import Mapping
 
 from vllm_npu.engine_args_hook import run_before_create_engine_config
+from vllm_npu.settings import env_json
 
 __all__ = ["USER_ARGS_ENV", "captured", "install"]
 
@@ -48,13 +49,11 @@ def _record(args) -> None:
 def captured(environ: Mapping[str, str] | None = None) -> dict[str, int | None] | None:
     """The values :func:`install` recorded (``{"max_num_seqs": ..., "max_num_batched_tokens":
     ..., "max_model_len": ...}``, None where the user gave none), or None when nothing was (a config built without
-    ``EngineArgs``: the caller then takes the config's values as the user's)."""
-    env = os.environ if environ is None else environ
-    raw = env.get(USER_ARGS_ENV, "")
-    if not raw:
-        return None
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return {name: data.get(name) for name in _FIELDS}
+    ``EngineArgs``: the caller then takes the config's values as the user's).
+
+    Raises:
+        SettingError: the variable holds something other than a JSON object (it is ours to
+            write; a hand-set value that is not one is named, not read as "nothing recorded").
+    """
+    data = env_json(USER_ARGS_ENV, default=None, kind=dict, environ=environ)
+    return None if data is None else {name: data.get(name) for name in _FIELDS}

@@ -19,7 +19,6 @@ Batching"):
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 from collections.abc import Mapping
@@ -27,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
+from vllm_npu.settings import parse_int as _parse_int, parse_json, parse_switch
 from vllm_npu.mblt.placement import CORE_MODES, topology_for  # one list of core modes, one Aries
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
@@ -65,8 +65,6 @@ DEFAULT_KEYS: tuple[str, ...] = ("default", "DEFAULT")
 # Loader-config targets are checked against an Aries card (placement re-checks the artifact's).
 _CLUSTERS_PER_DEVICE = topology_for("aries").clusters
 _CORES_PER_CLUSTER = topology_for("aries").cores_per_cluster
-_TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
-_FALSE_WORDS = frozenset({"0", "false", "no", "off"})
 
 
 class MbltConfigError(ValueError):
@@ -77,55 +75,26 @@ class MbltConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------
-# Scalar parsers shared with vllm_npu.mblt.prefix_cache
+# Scalar parsers shared with vllm_npu.mblt.prefix_cache: the plugins' one reader, raising ours
 
 
 def parse_boolish(value: object, *, name: str) -> bool:
-    """Parse a flag: a bool, the ints 0/1, or one of ``0 1 true false yes no on off``
-    (case-insensitive, surrounding spaces ignored).
+    """A switch (:func:`vllm_npu.settings.parse_switch`: a bool, 1/0, or ``1 true yes on`` /
+    ``0 false no off``).
 
     Raises:
-        MbltConfigError: any other value; the message names ``name`` and the value.
+        MbltConfigError: any other value; the message names ``name``, the value and the words.
     """
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str):
-        word = value.strip().lower()
-        if word in _TRUE_WORDS:
-            return True
-        if word in _FALSE_WORDS:
-            return False
-    raise MbltConfigError(
-        f"{name}={value!r} is not a boolean: expected true/false, 1/0, yes/no or on/off"
-    )
-
-
-def _is_ascii_digits(text: str) -> bool:
-    return text.isascii() and text.isdecimal()
+    return parse_switch(value, name=name, error=MbltConfigError)
 
 
 def parse_int(value: object, *, name: str, minimum: int) -> int:
-    """Parse an int ``>= minimum``: an int (not a bool) or a decimal digit string.
+    """An int ``>= minimum`` (:func:`vllm_npu.settings.parse_int`).
 
     Raises:
-        MbltConfigError: a bool, float, non-digit string or other type, or a value below
-            ``minimum``; the message names ``name``, the value and the bound.
+        MbltConfigError: not an int or digit string, or below ``minimum`` (named).
     """
-    if isinstance(value, bool):
-        parsed = None
-    elif isinstance(value, int):
-        parsed = value
-    elif isinstance(value, str) and _is_ascii_digits(value.strip()):
-        parsed = int(value.strip())
-    else:
-        parsed = None
-    if parsed is None:
-        raise MbltConfigError(f"{name}={value!r} is not an integer (an int or a digit string)")
-    if parsed < minimum:
-        raise MbltConfigError(f"{name}={value!r} must be an integer >= {minimum}")
-    return parsed
+    return _parse_int(value, name=name, minimum=minimum, error=MbltConfigError)
 
 
 def parse_positive_float(value: object, *, name: str) -> float:
@@ -332,7 +301,7 @@ def _parse_dev_no(raw: object) -> tuple[int, ...]:
 
 
 def _parse_index(text: str, *, key: str, entry: object, what: str, limit: int | None) -> int:
-    if not _is_ascii_digits(text):
+    if not (text.isascii() and text.isdecimal()):
         raise MbltConfigError(
             f"{key} entry {entry!r}: {what} {text!r} is not a non-negative integer"
         )
@@ -430,10 +399,7 @@ def parse_loader_extra_config(raw: Mapping[str, object] | str | None) -> LayoutO
     if raw is None:
         return LayoutOverrides()
     if isinstance(raw, str):
-        try:
-            raw = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise MbltConfigError(f"model loader extra config is not valid JSON: {exc}") from exc
+        raw = parse_json(raw, name="model_loader_extra_config", error=MbltConfigError)
     if not isinstance(raw, Mapping):
         raise MbltConfigError(
             f"model loader extra config must be a JSON object, got {type(raw).__name__}: {raw!r}"

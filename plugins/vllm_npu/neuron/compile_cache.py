@@ -35,6 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from vllm_npu.settings import env_switch
+
 logger = logging.getLogger("vllm.vllm_npu.neuron")
 
 MANIFEST = "neuron_config.json"
@@ -46,10 +48,6 @@ _HASH_CONTENT_LIMIT = 256 * 2**20
 
 class WarmupCompileDisabledError(RuntimeError):
     """``VLLM_NEURON_DISABLE_WARMUP_COMPILE`` is set and a NEFF is not in the cache."""
-
-
-def _truthy(value: str | None) -> bool:
-    return (value or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def model_fingerprint(model_dir: str | os.PathLike) -> str:
@@ -102,9 +100,16 @@ class CompileCache:
 
     @classmethod
     def from_env(cls, vllm_cache_root: str | os.PathLike, environ: Mapping[str, str] = os.environ) -> CompileCache:
+        """The cache under ``vllm_cache_root``, switched by ``NEURON_LIBTORCH_DISABLE_COMPILE_CACHE``
+        and ``VLLM_NEURON_DISABLE_WARMUP_COMPILE`` (switches, unset or blank: off).
+
+        Raises:
+            SettingError: either variable is neither on nor off (named, with the accepted words).
+        """
         return cls(Path(vllm_cache_root) / "neuron" / "compile_cache",
-                   enabled=not _truthy(environ.get("NEURON_LIBTORCH_DISABLE_COMPILE_CACHE")),
-                   compile_allowed=not _truthy(environ.get("VLLM_NEURON_DISABLE_WARMUP_COMPILE")))
+                   enabled=not env_switch("NEURON_LIBTORCH_DISABLE_COMPILE_CACHE", default=False, environ=environ),
+                   compile_allowed=not env_switch("VLLM_NEURON_DISABLE_WARMUP_COMPILE", default=False,
+                                                  environ=environ))
 
     def neff_path(self, key: str) -> Path:
         return self.root / key / f"graph_{key}.neff"

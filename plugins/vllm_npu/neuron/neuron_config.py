@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm_npu.settings import parse_switch
 from vllm_npu.neuron.buckets import BucketConfigError, check_bucket_list
 
 __all__ = ["NeuronConfigError", "OnDeviceSamplingConfig", "EncoderNeuronConfig", "NeuronConfig",
@@ -33,8 +34,6 @@ DEFAULT_MAX_TOP_K = 256
 COMPONENT_DP_FIELDS: tuple[str, ...] = (
     "attention_dp_size", "embedding_dp_size", "mlp_dp_size", "lm_head_dp_size")
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 class NeuronConfigError(ValueError):
@@ -45,14 +44,12 @@ class NeuronConfigError(ValueError):
 
 
 def _bool(name: str, value: Any) -> bool:
-    """A bool, or its string / 0-1 spelling (``"true"``, ``"0"``...)."""
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise NeuronConfigError(f"{name} must be a boolean, got {value!r}")
+    """A switch (:func:`vllm_npu.settings.parse_switch`: a bool, 1/0, ``"true"``, ``"off"``...).
+
+    Raises:
+        NeuronConfigError: any other value (named, with the accepted words).
+    """
+    return parse_switch(value, name=name, error=NeuronConfigError)
 
 
 def _positive_int(name: str, value: Any) -> int:

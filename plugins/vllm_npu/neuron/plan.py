@@ -20,6 +20,7 @@ from typing import Any
 from vllm_npu.neuron import buckets as bk
 from vllm_npu.neuron import memory, parallel, quantization, runner, sampling
 from vllm_npu.neuron.neuron_config import NeuronConfig
+from vllm_npu.settings import env_switch
 
 logger = logging.getLogger("vllm.vllm_npu.neuron")
 
@@ -221,4 +222,4 @@ def build(i: PlanInputs) -> Plan:
 def plan_only(environ: Mapping[str, str] = os.environ) -> bool:
     """``NPU_HARNESS_NEURON_PLAN_ONLY=1`` (set by ``npu-harness neuron plan``): the platform
     records the plan with its errors instead of raising the first."""
-    return environ.get("NPU_HARNESS_NEURON_PLAN_ONLY", "") == "1"
+    return env_switch("NPU_HARNESS_NEURON_PLAN_ONLY", default=False, environ=environ)

@@ -35,6 +35,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from vllm_npu.settings import env_switch
+
 __all__ = ["ENV_VAR", "V2_LOG_LINE", "RAW_LOGPROBS_MODES", "RunnerInputs", "RunnerChoice",
            "parse_v2_env", "select_runner", "model_kind_blockers", "dense_feature_blockers"]
 
@@ -46,30 +48,18 @@ V2_LOG_LINE = "Using the standalone V2 Neuron model runner."
 #: Logprobs modes MRv2 supports.
 RAW_LOGPROBS_MODES: frozenset[str] = frozenset({"raw_logprobs", "raw_logits"})
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 
 
 def parse_v2_env(value: str | None) -> bool | None:
-    """``VLLM_USE_V2_MODEL_RUNNER`` -> None (unset or empty), False (``0``) or True (``1``).
-
-    The spellings ``true/false``, ``yes/no``, ``on/off`` (any case, surrounding blanks
-    ignored) are accepted too.
+    """``VLLM_USE_V2_MODEL_RUNNER`` -> None (unset or blank), False (off) or True (on): a
+    switch (:func:`vllm_npu.settings.env_switch`, ``0 false no off`` / ``1 true yes on``, the
+    reference's truthy words).
 
     Raises:
-        ValueError: any other value ("Invalid value for VLLM_USE_V2_MODEL_RUNNER: 'x'. ...",
-            our text).
+        SettingError: any other value (a ValueError naming the variable, the value and the
+            accepted words).
     """
-    if value is None or not value.strip():
-        return None
-    norm = value.strip().lower()
-    if norm in _TRUE:
-        return True
-    if norm in _FALSE:
-        return False
-    raise ValueError(f"Invalid value for {ENV_VAR}: {value!r}. Expected it unset, '0' (Model "
-                     "Runner V1) or '1' (Model Runner V2); true/false, yes/no and on/off are "
-                     "also accepted.")
+    return env_switch(ENV_VAR, default=None, environ={} if value is None else {ENV_VAR: value})
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_npu.settings import parse_json
+
 __all__ = ["AotInputError", "AotCompileError", "SERVING_FILES", "TOKENIZER_FILES", "compile_model",
            "import_rebel", "parse_batch_sizes", "parse_overrides"]
 
@@ -82,13 +84,7 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
     """
     if text is None:
         return {}
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise AotInputError(f"--optimum-overrides is not valid JSON ({exc}): {text!r}") from None
-    if not isinstance(value, dict):
-        raise AotInputError(f"--optimum-overrides must be a JSON object, got {text!r}")
-    return value
+    return parse_json(text, name="--optimum-overrides", kind=dict, error=AotInputError)
 
 
 def import_rebel(environ: Mapping[str, str] | None = None) -> tuple[Any, str]:

@@ -33,6 +33,7 @@ from typing import Any, Literal
 from vllm_npu.rbln import architectures
 from vllm_npu.rbln.device import is_ca
 from vllm_npu.rbln.options import OptimumRBLNConfig, RBLNConfig
+from vllm_npu.settings import RBLN_ENV_WORDS, parse_switch
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
@@ -152,7 +153,14 @@ def _config_class_path(additional_config: Any) -> tuple[Impl, str] | None:
 
 
 def _legacy_path(raw: str) -> Impl:
-    return "vllm" if raw.strip().lower() in ("true", "1") else "optimum"
+    """``VLLM_RBLN_USE_VLLM_MODEL``'s path: ``1``/``true`` the vllm path, ``0``/``false`` the
+    optimum one (:data:`vllm_npu.settings.RBLN_ENV_WORDS`; vllm-rbln reads every other word as
+    the optimum path, so ``yes`` would take a different path here and on the board).
+
+    Raises:
+        ModelImplError: any other word (named, with the accepted ones).
+    """
+    return "vllm" if parse_switch(raw, name=LEGACY_ENV, words=RBLN_ENV_WORDS, error=ModelImplError) else "optimum"
 
 
 def _remedy(selected_by: str, impl: Impl) -> str:

@@ -34,6 +34,9 @@ from dataclasses import dataclass, field
 from types import MappingProxyType, NoneType, UnionType
 from typing import Any, ClassVar
 
+from vllm_npu.settings import (RBLN_ENV_WORDS, SWITCH_WORDS, SettingError, SwitchWords, parse_int, parse_json,
+                               parse_switch)
+
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
 #: Title of the argparse group holding every ``--rbln-*`` flag.
@@ -55,8 +58,6 @@ BUCKET_STRATEGIES: tuple[str, ...] = ("exponential", "linear", "manual")
 #: ``compile_dtype`` values; ``""`` leaves the dtype to the model config.
 COMPILE_DTYPES: tuple[str, ...] = ("", "float16", "bfloat16")
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"0", "false", "no", "off"})
 _DEFAULT_ENV = object()
 
 
@@ -101,14 +102,12 @@ def _type_name(hint: Any) -> str:
     return getattr(hint, "__name__", None) if not typing.get_args(hint) else str(hint)
 
 
-def _as_bool(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    if isinstance(value, int) and value in (0, 1):
-        return bool(value)
-    if isinstance(value, str) and value.strip().lower() in _TRUE | _FALSE:
-        return value.strip().lower() in _TRUE
-    raise ValueError("expected a boolean (true/false, 1/0)")
+def _as_bool(value: Any, words: SwitchWords = SWITCH_WORDS) -> bool:
+    """A switch (:func:`vllm_npu.settings.parse_switch`); raises ValueError naming ``words``."""
+    try:
+        return parse_switch(value, name="value", words=words)
+    except SettingError:
+        raise ValueError(f"expected a switch: {words.describe()}") from None
 
 
 def _as_int(value: Any) -> int:
@@ -117,9 +116,12 @@ def _as_int(value: Any) -> int:
     if isinstance(value, int):
         return value
     if isinstance(value, str):
-        return int(value.strip())
+        try:
+            return parse_int(value, name="value")
+        except SettingError:
+            raise ValueError("expected an integer (an int or a decimal digit string)") from None
     if isinstance(value, float) and value.is_integer():
-        return int(value)
+        return int(value)  # a JSON number such as 8.0 (additional_config)
     raise ValueError("expected an integer")
 
 
@@ -133,7 +135,7 @@ def _as_int_list(value: Any) -> list[int]:
 
 def _as_dict(value: Any) -> dict[str, Any]:
     if isinstance(value, str):
-        value = json.loads(value)
+        value = parse_json(value, name="value")
     if isinstance(value, Mapping):
         return dict(value)
     raise ValueError("expected a JSON object")
@@ -145,18 +147,18 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
-def _coerce(value: Any, hint: Any) -> Any:
-    """``value`` converted to type hint ``hint``; raises ValueError (or TypeError) if it cannot
-    be. Handles exactly the hints the config classes use."""
+def _coerce(value: Any, hint: Any, words: SwitchWords = SWITCH_WORDS) -> Any:
+    """``value`` converted to type hint ``hint`` (a switch read with ``words``); raises
+    ValueError (or TypeError) if it cannot be. Handles exactly the hints the config classes use."""
     args = typing.get_args(hint)
     if typing.get_origin(hint) in (UnionType, typing.Union):
         if value is None and NoneType in args:
             return None
         (inner,) = [a for a in args if a is not NoneType]
-        return _coerce(value, inner)
+        return _coerce(value, inner, words)
     origin = typing.get_origin(hint) or hint
     if origin is bool:
-        return _as_bool(value)
+        return _as_bool(value, words)
     if origin is int:
         return _as_int(value)
     if origin is str:
@@ -513,7 +515,7 @@ def _parse_env(f: dataclasses.Field, hint: Any, var: str, raw: str) -> Any:
     try:
         if f.name == "decode_batch_bucket_strategy" and text.lower() == "exp":
             return "exponential"
-        return _coerce(text, hint)
+        return _coerce(text, hint, RBLN_ENV_WORDS)  # vllm-rbln's envs.py reads only these alike
     except (ValueError, TypeError) as exc:
         raise RBLNConfigError(f"{var}={raw!r} is not a valid {f.name}: {exc}") from None
 

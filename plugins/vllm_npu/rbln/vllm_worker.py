@@ -29,7 +29,6 @@ then the step fails with :class:`vllm_npu.rbln.worker.RblnDeviceError`.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import Any
 
@@ -39,6 +38,7 @@ import torch
 from vllm_npu.host_sampling import HostSampler
 from vllm_npu.rbln.attention import RblnAttentionMetadata
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
+from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
 from vllm_npu.rbln.worker import PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError, import_rebel
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
@@ -51,13 +51,22 @@ class RblnRecompileError(RblnWorkerError):
 
 
 def strict_mode(environ: Any = None) -> bool:
-    """``VLLM_RBLN_COMPILE_STRICT_MODE`` (default on; ``0``/``false``/``no``/``off`` turn it off)."""
-    raw = (os.environ if environ is None else environ).get("VLLM_RBLN_COMPILE_STRICT_MODE", "1")
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+    """``VLLM_RBLN_COMPILE_STRICT_MODE`` (default on; ``1``/``true`` on, ``0``/``false`` off:
+    the words vllm-rbln reads the same way, :data:`vllm_npu.settings.RBLN_ENV_WORDS`).
+
+    Raises:
+        SettingError: any other value (vllm-rbln would read ``yes`` or ``on`` as off).
+    """
+    return env_switch("VLLM_RBLN_COMPILE_STRICT_MODE", default=True, environ=environ, words=RBLN_ENV_WORDS)
 
 
 def _warm_up_enabled() -> bool:
-    return os.environ.get("VLLM_RBLN_ENABLE_WARM_UP", "1").strip().lower() not in ("0", "false", "no", "off")
+    """``VLLM_RBLN_ENABLE_WARM_UP`` (default on; the words of :func:`strict_mode`).
+
+    Raises:
+        SettingError: any other value.
+    """
+    return env_switch("VLLM_RBLN_ENABLE_WARM_UP", default=True, words=RBLN_ENV_WORDS)
 
 
 class RblnVllmWorker(RblnStepWorker):
@@ -74,6 +83,7 @@ class RblnVllmWorker(RblnStepWorker):
         self.table: SequenceTable | None = None
         self.sampler: HostSampler | None = None
         self.strict = strict_mode()
+        self.warm_up = _warm_up_enabled()  # both read (and refused if malformed) at start-up
         self.warmed = False
         self._shape = ("?", 0)
         self.shapes: set[tuple[str, int]] = set()
@@ -207,7 +217,7 @@ class RblnVllmWorker(RblnStepWorker):
         t0 = time.perf_counter()
         if self.bundle is not None:
             graph_cache.load(self.rebel, envs.VLLM_CACHE_ROOT, self.bundle)
-        if _warm_up_enabled():
+        if self.warm_up:
             self._call("prefill", np.zeros(int(self.plan["chunk"]), np.int64), 0, [])
             for b in self.plan["decode_buckets"]:
                 self._call("decode", np.zeros(b, np.int64), np.zeros(b, np.int64), [[] for _ in range(b)])

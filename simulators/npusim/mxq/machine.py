@@ -54,7 +54,6 @@ ones. A memory-fixed MXQ never shares: the real core's text for that case is
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -62,6 +61,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from ..env_settings import check_keys, json_object
 from .errors import STATUS_CODES
 from .types import Cluster, Core, CoreId, core_key
 
@@ -154,9 +154,8 @@ def _check(values: dict[str, Any], source: str) -> dict[str, Any]:
     Raises:
         ValueError: an unknown field or a value breaking its rule (field, value and rule named).
     """
+    check_keys(source, values, _FIELDS)
     for name, v in values.items():
-        if name not in _FIELDS:
-            raise ValueError(f"{source}: unknown field {name!r} (known: {', '.join(sorted(_FIELDS))})")
         if name == "devices" and not (_is_int(v) and v >= 0):
             raise ValueError(f"{source}: devices={v!r} must be an integer >= 0")
         elif name == "device_memory_mib" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
@@ -232,15 +231,7 @@ def _read_env() -> dict[str, Any]:
     raw = os.environ.get(ENV_VAR)
     if raw == _state.env_raw:
         return _state.env_values
-    values: dict[str, Any] = {}
-    if raw and raw.strip():
-        try:
-            values = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{ENV_VAR}: not valid JSON ({exc}): {raw!r}") from exc
-        if not isinstance(values, dict):
-            raise ValueError(f"{ENV_VAR}: must be a JSON object, got {raw!r}")
-        _check(values, ENV_VAR)
+    values = _check(json_object(ENV_VAR, raw, known=_FIELDS), ENV_VAR)
     _state.env_raw, _state.env_values = raw, values
     return values
 

@@ -18,29 +18,17 @@ that changes the variable gets the new settings; a process that never changes it
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 
+from ..env_settings import EnvParseCache, FaultSchedule, json_object, parse_fault
 from .errors import NeffConfigError
 
-__all__ = ["ENV_VAR", "TARGETS", "Fault", "Settings", "settings", "parse"]
+__all__ = ["ENV_VAR", "TARGETS", "Settings", "settings", "parse"]
 
 ENV_VAR = "NPUSIM_NEFF"
 TARGETS = ("trn2", "trn3", "trn3pre")
 _KNOWN = ("target", "chips", "hbm_gib_per_core", "check_padding", "fault")
-
-
-@dataclass(frozen=True)
-class Fault:
-    """Executions ``after_calls + 1 .. after_calls + times`` fail (``times`` None: all from then on)."""
-
-    after_calls: int = 0
-    times: int | None = 1
-
-    def hits(self, call: int) -> bool:
-        """Whether execution number ``call`` (1-based) is an injected failure."""
-        return call > self.after_calls and (self.times is None or call <= self.after_calls + self.times)
 
 
 @dataclass(frozen=True)
@@ -51,7 +39,7 @@ class Settings:
     chips: int = 1
     hbm_gib_per_core: float | None = None
     check_padding: bool = False
-    fault: Fault | None = None
+    fault: FaultSchedule | None = None
 
 
 def _is_int(v: object) -> bool:
@@ -64,17 +52,7 @@ def parse(raw: str | None) -> Settings:
     Raises:
         NeffConfigError: not JSON, not an object, an unknown key, or a bad value (named).
     """
-    if raw is None or not raw.strip():
-        return Settings()
-    try:
-        values = json.loads(raw)
-    except ValueError as exc:
-        raise NeffConfigError(f"{ENV_VAR}: not valid JSON ({exc}): {raw!r}") from exc
-    if not isinstance(values, dict):
-        raise NeffConfigError(f"{ENV_VAR}: must be a JSON object, got {raw!r}")
-    unknown = sorted(set(values) - set(_KNOWN))
-    if unknown:
-        raise NeffConfigError(f"{ENV_VAR}: unknown keys {unknown}; known: {list(_KNOWN)}")
+    values = json_object(ENV_VAR, raw, known=_KNOWN, error=NeffConfigError)
     target = values.get("target")
     if target is not None and target not in TARGETS:
         raise NeffConfigError(f"{ENV_VAR}: target must be one of {list(TARGETS)}, got {target!r}")
@@ -87,20 +65,11 @@ def parse(raw: str | None) -> Settings:
     check = values.get("check_padding", False)
     if not isinstance(check, bool):
         raise NeffConfigError(f"{ENV_VAR}: check_padding must be true or false, got {check!r}")
-    fault = values.get("fault")
-    if fault is not None:
-        if not isinstance(fault, dict) or set(fault) - {"after_calls", "times"}:
-            raise NeffConfigError(f'{ENV_VAR}: fault must be {{"after_calls": N, "times": k|null}}, got {fault!r}')
-        after, times = fault.get("after_calls", 0), fault.get("times", 1)
-        if not _is_int(after) or after < 0:
-            raise NeffConfigError(f"{ENV_VAR}: fault.after_calls must be an integer >= 0, got {after!r}")
-        if times is not None and (not _is_int(times) or times < 1):
-            raise NeffConfigError(f"{ENV_VAR}: fault.times must be an integer >= 1 or null, got {times!r}")
-        fault = Fault(after, times)
+    fault = parse_fault(values.get("fault"), source=f"{ENV_VAR}: fault", error=NeffConfigError)
     return Settings(target, chips, None if hbm is None else float(hbm), check, fault)
 
 
-_cache: tuple[str | None, Settings] | None = None
+_cache: EnvParseCache[str | None, Settings] = EnvParseCache(parse)
 
 
 def settings() -> Settings:
@@ -109,10 +78,4 @@ def settings() -> Settings:
     Raises:
         NeffConfigError: the variable is malformed.
     """
-    global _cache
-    raw = os.environ.get(ENV_VAR)
-    if _cache is not None and _cache[0] == raw:
-        return _cache[1]
-    value = parse(raw)
-    _cache = (raw, value)
-    return value
+    return _cache.get(os.environ.get(ENV_VAR))

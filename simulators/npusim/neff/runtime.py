@@ -376,7 +376,7 @@ class NrtpyModel:
         _state.calls += 1
         call = _state.calls
         fault = config.settings().fault
-        if fault is not None and fault.hits(call):
+        if fault is not None and fault.strikes(call):
             raise NrtError(nrt_message("NRT_FAILURE", f"Failed to execute model {self.name!r} (execution {call} "
                                                       f"of this process; fault injected by ${config.ENV_VAR})"))
         logits, tokens = self._execute(arrays)

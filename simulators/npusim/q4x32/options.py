@@ -40,8 +40,9 @@ default", which is, in order of precedence:
    its report directory; :func:`load_answers`);
 4. the built-in defaults (:data:`BUILTIN_DEFAULTS`).
 
-The environment is read when a default is first needed (and again after
-:func:`reset_defaults`); a bad value raises :class:`~npusim.q4x32.errors.OptionError` naming the
+The environment is read when a default is needed, parsed once per distinct value of the two
+variables (and again after :func:`reset_defaults`, which re-reads the answers file), with the
+simulators' one reader (:mod:`npusim.env_settings`); a bad value raises :class:`~npusim.q4x32.errors.OptionError` naming the
 variable, the key and the value, at that point and at every later use, never silently.
 """
 
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from ..env_settings import EnvParseCache, check_keys, json_object
 from .errors import AnswersError, OptionError
 
 __all__ = [
@@ -162,7 +164,6 @@ class HpMode:
 # switchable defaults
 
 _set: dict[str, str] = {}  # set_defaults() in this process
-_env: dict[str, str] | None = None  # the environment's defaults, once read
 
 
 def _validated(options: Mapping[str, object], source: str) -> dict[str, str]:
@@ -172,11 +173,9 @@ def _validated(options: Mapping[str, object], source: str) -> dict[str, str]:
         OptionError: an unknown key or a value not allowed for its key; the message names
             ``source``, the key, the value and what is allowed.
     """
+    check_keys(source, options, OPTIONS, error=OptionError)
     out: dict[str, str] = {}
     for key, value in options.items():
-        if key not in OPTIONS:
-            raise OptionError(f"{source}: unknown npusim.q4x32 option {key!r}; expected one of "
-                              f"{', '.join(OPTIONS)}")
         try:
             out[key] = check_option(key, value, OPTIONS[key])
         except OptionError as exc:
@@ -184,32 +183,28 @@ def _validated(options: Mapping[str, object], source: str) -> dict[str, str]:
     return out
 
 
+def _parse_environment(key: tuple[str, str | None]) -> dict[str, str]:
+    """``(answers path, $NPUSIM_Q4X32)`` -> the defaults they set (the JSON variable wins)."""
+    path, text = key
+    found: dict[str, str] = {}
+    if path:
+        found.update(load_answers(path, source=f"{ENV_ANSWERS}={path}"))
+    found.update(_validated(json_object(ENV_DEFAULTS, text, known=OPTIONS, error=OptionError), ENV_DEFAULTS))
+    return found
+
+
+_env = EnvParseCache(_parse_environment)
+
+
 def _environment_defaults() -> dict[str, str]:
-    """The defaults from ``NPUSIM_Q4X32_ANSWERS`` then ``NPUSIM_Q4X32`` (which wins), read once.
+    """The defaults from ``NPUSIM_Q4X32_ANSWERS`` then ``NPUSIM_Q4X32`` (which wins), parsed once
+    per distinct value of the two.
 
     Raises:
         OptionError: a bad value in either variable (not cached: raised again at the next use).
         AnswersError: the answers file is unreadable or malformed.
     """
-    global _env
-    if _env is None:
-        found: dict[str, str] = {}
-        path = os.environ.get(ENV_ANSWERS, "").strip()
-        if path:
-            found.update(load_answers(path, source=f"{ENV_ANSWERS}={path}"))
-        text = os.environ.get(ENV_DEFAULTS, "").strip()
-        if text:
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise OptionError(f"{ENV_DEFAULTS}={text!r} is not valid JSON ({exc.msg}); expected an "
-                                  f'object such as {{"rounding": "fused"}}') from None
-            if not isinstance(value, dict):
-                raise OptionError(f"{ENV_DEFAULTS}={text!r} must be a JSON object of option: value, "
-                                  f"got {type(value).__name__}")
-            found.update(_validated(value, ENV_DEFAULTS))
-        _env = found
-    return _env
+    return _env.get((os.environ.get(ENV_ANSWERS, "").strip(), os.environ.get(ENV_DEFAULTS)))
 
 
 def get_defaults() -> dict[str, str]:
@@ -257,13 +252,12 @@ def reset_defaults() -> dict[str, str]:
     Returns:
         The defaults before the call (best effort: the built-in ones if the environment was bad).
     """
-    global _env
     try:
         before = get_defaults()
     except OptionError:
         before = dict(BUILTIN_DEFAULTS)
     _set.clear()
-    _env = None
+    _env.forget()
     return before
 
 

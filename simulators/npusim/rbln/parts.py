@@ -27,19 +27,18 @@ What is a guess about the real device: the chiplet count and per-chiplet split o
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass
 from typing import Any
 
+from ..env_settings import EnvParseCache, FaultSchedule, json_object, parse_fault
 from .errors import RBLNDeviceError, RBLNSettingsError
 
 __all__ = [
     "ENV_VAR",
     "DEFAULT_NPU",
     "Part",
-    "Fault",
     "Settings",
     "part_for",
     "settings",
@@ -99,29 +98,12 @@ def part_for(name: str, dram_per_chiplet: int | None = None) -> Part:
 
 
 @dataclass(frozen=True)
-class Fault:
-    """Runtime calls ``after_calls + 1 .. after_calls + times`` (process-wide) fail.
-
-    ``times`` None means every call after ``after_calls`` fails.
-    """
-
-    after_calls: int = 0
-    times: int | None = 1
-
-    def strikes(self, call_number: int) -> bool:
-        """Whether the ``call_number``-th runtime call (1-based) fails."""
-        if call_number <= self.after_calls:
-            return False
-        return self.times is None or call_number <= self.after_calls + self.times
-
-
-@dataclass(frozen=True)
 class Settings:
     """The effective simulator settings (see the module docstring)."""
 
     devices: tuple[str, ...]
     dram_per_chiplet: int | None = None
-    fault: Fault | None = None
+    fault: FaultSchedule | None = None
     fault_log: str | None = None
 
     def part(self, device_id: int) -> Part | None:
@@ -133,22 +115,13 @@ class Settings:
         return None
 
 
-_KNOWN = {"devices", "dram_per_chiplet", "fault", "fault_log"}
-_cache: tuple[tuple[str | None, str | None], Settings] | None = None
+_KNOWN = ("devices", "dram_per_chiplet", "fault", "fault_log")
 
 
-def _parse(raw: str | None, forced: str | None) -> Settings:
-    values: dict[str, Any] = {}
-    if raw and raw.strip():
-        try:
-            values = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise RBLNSettingsError(f"{ENV_VAR}: not valid JSON ({exc}): {raw!r}") from exc
-        if not isinstance(values, dict):
-            raise RBLNSettingsError(f"{ENV_VAR}: must be a JSON object, got {raw!r}")
-    unknown = sorted(set(values) - _KNOWN)
-    if unknown:
-        raise RBLNSettingsError(f"{ENV_VAR}: unknown fields {unknown}; known: {sorted(_KNOWN)}")
+def _parse(key: tuple[str | None, str | None]) -> Settings:
+    """``(raw $NPUSIM_RBLN, forced NPU name)`` -> the settings (see the module docstring)."""
+    raw, forced = key
+    values = json_object(ENV_VAR, raw, known=_KNOWN, error=RBLNSettingsError)
     devices = values.get("devices")
     if devices is None:
         devices = [forced or DEFAULT_NPU]
@@ -159,21 +132,14 @@ def _parse(raw: str | None, forced: str | None) -> Settings:
     dram = values.get("dram_per_chiplet")
     if dram is not None and (not isinstance(dram, int) or isinstance(dram, bool) or dram <= 0):
         raise RBLNSettingsError(f"{ENV_VAR}: dram_per_chiplet must be a positive int (bytes), got {dram!r}")
-    fault = values.get("fault")
-    if fault is not None:
-        if not isinstance(fault, dict) or set(fault) - {"after_calls", "times"}:
-            raise RBLNSettingsError(
-                f"{ENV_VAR}: fault must be {{\"after_calls\": N, \"times\": T|null}}, got {fault!r}")
-        after, times = fault.get("after_calls", 0), fault.get("times", 1)
-        if not isinstance(after, int) or after < 0 or (times is not None and (not isinstance(times, int) or times < 1)):
-            raise RBLNSettingsError(
-                f"{ENV_VAR}: fault.after_calls must be an int >= 0 and fault.times an int >= 1 or "
-                f"null, got {fault!r}")
-        fault = Fault(after, times)
+    fault = parse_fault(values.get("fault"), source=f"{ENV_VAR}: fault", error=RBLNSettingsError)
     log = values.get("fault_log")
     if log is not None and not isinstance(log, str):
         raise RBLNSettingsError(f"{ENV_VAR}: fault_log must be a path string, got {log!r}")
     return Settings(tuple(d.strip().upper() for d in devices), dram, fault, log)
+
+
+_cache: EnvParseCache[tuple[str | None, str | None], Settings] = EnvParseCache(_parse)
 
 
 def settings(environ: dict[str, str] | None = None) -> Settings:
@@ -183,13 +149,7 @@ def settings(environ: dict[str, str] | None = None) -> Settings:
         RBLNSettingsError: ``$NPUSIM_RBLN`` is malformed (names the field and value).
         RBLNDeviceError: a device name is not an RBLN SKU.
     """
-    global _cache
     env = os.environ if environ is None else environ
     forced = env.get("RBLN_FORCE_NPU_NAME") or env.get("RBLN_TARGET_SOC") or None
     key = (env.get(ENV_VAR), forced)
-    if environ is None and _cache is not None and _cache[0] == key:
-        return _cache[1]
-    value = _parse(key[0], forced)
-    if environ is None:
-        _cache = (key, value)
-    return value
+    return _cache.get(key) if environ is None else _parse(key)
