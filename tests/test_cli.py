@@ -23,8 +23,15 @@ def test_doctor_lists_every_target_with_a_reason():
     assert proc.returncode == 0, proc.stderr
     host, targets = proc.stdout.strip().split("\n\n")
     assert [line.split(":")[0] for line in host.splitlines()] == [
-        "npu-harness", "vllm", "cpu", "vllm-kernels", "ime2-x86", "alias qbruntime", "alias rebel"]
+        "npu-harness", "vllm", "cpu", "vllm-kernels", "ime2-x86", "runtime mblt", "runtime rbln", "runtime neuron",
+        "alias qbruntime", "alias rebel"]
     assert host.splitlines()[1].startswith("vllm:") and "supported by mblt, rbln, neuron, ime2" in host
+    runtime = {k: v.strip() for k, v in (line.split(": ", 1) for line in host.splitlines() if line.startswith("runtime "))}
+    # read from the runtime seam table: this machine has the simulators and no vendor runtime
+    assert runtime["runtime mblt"] == "mblt-sim imports npusim.mxq: found; mblt-hw imports qbruntime: not installed"
+    assert runtime["runtime rbln"].startswith("rbln-sim imports rebel (-> npusim.rbln by npusim.alias): found; "
+                                              "rbln-hw imports rebel: not installed")  # "(an active npusim.alias ...)"
+    assert runtime["runtime neuron"] == "neuron-sim imports npusim.neff: found; neuron-hw imports nrtpy: not installed"
 
     lines = targets.splitlines()
     assert [line.split()[0] for line in lines] == list(TARGETS)

@@ -64,11 +64,46 @@ def _alias_lines() -> list[tuple[str, str]]:
         return [("alias", f"unknown: {type(exc).__name__}: {exc}")]
 
 
+def _findable(module: str) -> str:
+    """``found`` or ``not installed``, by :func:`importlib.util.find_spec` (nothing is imported
+    but the parent packages of a dotted name)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError) as exc:
+        return f"not importable: {type(exc).__name__}: {exc}"
+    if spec is None:
+        return "not installed"
+    if str(spec.origin or "").startswith("npusim alias of"):
+        return f"not installed (an active npusim.alias gives {spec.origin[len('npusim alias of '):]})"
+    return "found"
+
+
+def _runtime_lines() -> list[tuple[str, str]]:
+    """One ``runtime <device>`` line per row of the runtime seam table
+    (:data:`vllm_npu.targets.RUNTIME_SEAMS`): what each target imports, and whether it is there."""
+    try:
+        from vllm_npu.targets import RUNTIME_SEAMS
+    except Exception as exc:  # noqa: BLE001
+        return [("runtime", f"unknown: {type(exc).__name__}: {exc}")]
+    lines = []
+    for device, seam in RUNTIME_SEAMS.items():
+        parts = []
+        for target in seam.targets:
+            name, backing = seam.import_name(target), seam.backing_module(target)
+            via = f" (-> {backing} by npusim.alias)" if name != backing else ""
+            parts.append(f"{target} imports {name}{via}: {_findable(backing)}")
+        lines.append((f"runtime {device}", "; ".join(parts)))
+    return lines
+
+
 def host_lines() -> list[tuple[str, str]]:
     """``(label, text)`` pairs: ``npu-harness`` (version, install kind), ``vllm``, ``cpu``,
-    ``vllm-kernels``, ``ime2-x86``, then one
-    ``alias <name>`` per vendor-name alias (``alias qbruntime``, ``alias rebel``)."""
-    return [_harness_line(), _vllm_line(), *_isa_lines(), _ime2_line(), *_alias_lines()]
+    ``vllm-kernels``, ``ime2-x86``, one ``runtime <device>`` per row of the runtime seam table
+    (``runtime mblt``...), then one ``alias <name>`` per vendor-name alias (``alias qbruntime``,
+    ``alias rebel``)."""
+    return [_harness_line(), _vllm_line(), *_isa_lines(), _ime2_line(), *_runtime_lines(), *_alias_lines()]
 
 
 def _vllm_line() -> tuple[str, str]:

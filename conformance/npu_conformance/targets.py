@@ -15,7 +15,7 @@ import platform
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from vllm_npu.targets import ENV_VAR, TARGET_NAMES, UnknownTargetError
+from vllm_npu.targets import ENV_VAR, RUNTIME_SEAMS, TARGET_NAMES, UnknownTargetError
 
 #: Column of the golden numpy decoder: the reference every device target is compared with.
 REFERENCE = "ref"
@@ -122,10 +122,11 @@ def _probe_ime2_qemu() -> Availability:
 
 
 def _probe_mblt_hw() -> Availability:
-    failed = _import_reason("qbruntime", "pip install mobilint-qb-runtime")
+    seam = RUNTIME_SEAMS["mblt"]
+    failed = _import_reason(seam.vendor_module, seam.hw_install)
     if failed:
         return failed
-    import qbruntime
+    qbruntime = importlib.import_module(seam.vendor_module)
 
     try:
         devices = qbruntime.get_available_devices()
@@ -139,7 +140,7 @@ def _probe_mblt_hw() -> Availability:
 def _probe_rbln_sim() -> Availability:
     """``npusim.rbln`` (the ``rebel`` simulator, needs torch) and the vendor's optimum-rbln,
     which the RBLN plugin's ``transformers`` model path drives."""
-    failed = _seam_reason("npusim.rbln", "Runtime")
+    failed = _seam_reason(_backing("rbln-sim"), "Runtime")
     if failed:
         return failed
     try:
@@ -152,10 +153,11 @@ def _probe_rbln_sim() -> Availability:
 
 
 def _probe_rbln_hw() -> Availability:
-    failed = _import_reason("rebel", "the RBLN SDK's rebel-compiler")
+    seam = RUNTIME_SEAMS["rbln"]
+    failed = _import_reason(seam.vendor_module, seam.hw_install)
     if failed:
         return failed
-    import rebel
+    rebel = importlib.import_module(seam.vendor_module)
 
     try:
         count = rebel.device_count()
@@ -170,7 +172,8 @@ def _probe_neuron_hw() -> Availability:
     nodes = sorted(glob.glob("/dev/neuron*"))
     if not nodes:
         return Availability(False, "no /dev/neuron* device node: no Neuron device")
-    failed = _import_reason("nrtpy", "the Neuron SDK's Python runtime (nrtpy)")
+    seam = RUNTIME_SEAMS["neuron"]
+    failed = _import_reason(seam.vendor_module, seam.hw_install)
     if failed:
         return failed
     return Availability(True, f"Neuron devices: {', '.join(nodes)}")
@@ -209,25 +212,31 @@ def _probe_vendor(name: str) -> Callable[[], Availability]:
     return probe
 
 
+def _backing(target: str) -> str:
+    """The module that answers on ``target``, from the runtime seam table
+    (:data:`vllm_npu.targets.RUNTIME_SEAMS`)."""
+    return RUNTIME_SEAMS[target.rsplit("-", 1)[0]].backing_module(target)
+
+
 #: Every target, in report-column order: the reference first, then each device's sim, the vendor
 #: plugin's column on that simulator, and hw.
 TARGETS: dict[str, Target] = {
     t.name: t
     for t in (
         Target(REFERENCE, "ref", "reference", "npusim.llm", _probe_reference),
-        Target("mblt-sim", "mblt", "sim", "npusim.mxq",
-               _probe_sim("npusim.mxq", "Accelerator", "qbruntime surface")),
+        Target("mblt-sim", "mblt", "sim", _backing("mblt-sim"),
+               _probe_sim(_backing("mblt-sim"), "Accelerator", "qbruntime surface")),
         Target("vllm-mblt@mblt-sim", "mblt", "vendor", "vllm-mblt 0.8.0 on npusim.mxq", _probe_vendor("mblt"),
                base="mblt-sim"),
-        Target("mblt-hw", "mblt", "hw", "qbruntime", _probe_mblt_hw),
-        Target("rbln-sim", "rbln", "sim", "npusim.rbln",
+        Target("mblt-hw", "mblt", "hw", _backing("mblt-hw"), _probe_mblt_hw),
+        Target("rbln-sim", "rbln", "sim", _backing("rbln-sim"),
                _probe_rbln_sim),
         Target("vllm-rbln@rbln-sim", "rbln", "vendor", "vllm-rbln 0.12.0 on npusim.rbln", _probe_vendor("rbln"),
                base="rbln-sim"),
-        Target("rbln-hw", "rbln", "hw", "rebel", _probe_rbln_hw),
-        Target("neuron-sim", "neuron", "sim", "npusim.neff",
-               _probe_sim("npusim.neff", "NrtpyModel", "nrtpy surface")),
-        Target("neuron-hw", "neuron", "hw", "nrtpy", _probe_neuron_hw),
+        Target("rbln-hw", "rbln", "hw", _backing("rbln-hw"), _probe_rbln_hw),
+        Target("neuron-sim", "neuron", "sim", _backing("neuron-sim"),
+               _probe_sim(_backing("neuron-sim"), "NrtpyModel", "nrtpy surface")),
+        Target("neuron-hw", "neuron", "hw", _backing("neuron-hw"), _probe_neuron_hw),
         Target("ime2-qemu", "ime2", "sim", "kernels/ime2 under qemu-riscv64", _probe_ime2_qemu),
         Target("ime2-hw", "ime2", "hw", "kernels/ime2 on the K3", _probe_ime2_hw),
     )

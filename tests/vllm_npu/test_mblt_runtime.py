@@ -48,7 +48,7 @@ def test_missing_sim_runtime_names_module():
 
 @pytest.mark.parametrize("target_name", ["rbln-sim", "mblt", "", None])
 def test_other_targets_are_value_errors(target_name):
-    with pytest.raises(ValueError, match="has no Mobilint runtime"):
+    with pytest.raises(ValueError, match="has no mblt runtime; expected one of: mblt-sim, mblt-hw"):
         load_runtime(target_name)
 
 

@@ -4,7 +4,8 @@ This is the adapter's only import seam. Everything else in :mod:`vllm_npu.mblt` 
 runtime as a module object and calls only the ``qbruntime`` 1.5.0 surface on it (``Accelerator``,
 ``ModelConfig``, ``Model``, ``Cluster``, ``Core``, ``CoreId``, ``BatchParam``,
 ``QbRuntimeError``, ``start_tracing_events``, ``stop_tracing_events``). The module is imported by
-*name*, with :func:`importlib.import_module`, so that:
+*name*, with :func:`importlib.import_module`, as the runtime seam table
+(:data:`vllm_npu.targets.RUNTIME_SEAMS`) says, so that:
 
 * ``mblt-sim`` runs on the numpy simulator ``npusim.mxq`` (same API as ``qbruntime``);
 * ``mblt-hw`` runs on Mobilint's ``qbruntime`` wheel, which is needed only on a machine with an
@@ -18,27 +19,24 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-__all__ = ["MbltRuntimeUnavailable", "RUNTIME_MODULES", "load_runtime"]
+from vllm_npu.targets import RUNTIME_SEAMS, RuntimeUnavailable
+from vllm_npu.targets import load_runtime as _load_runtime
 
-#: Target name -> importable module providing the qbruntime API.
-RUNTIME_MODULES: dict[str, str] = {"mblt-sim": "npusim.mxq", "mblt-hw": "qbruntime"}
+__all__ = ["MbltRuntimeUnavailable", "SEAM", "load_runtime"]
 
-_INSTALL_HINTS: dict[str, str] = {
-    "mblt-sim": "install npu-harness (pip install -e .) or put its simulators/ directory on "
-    "PYTHONPATH",
-    "mblt-hw": "pip install mobilint-qb-runtime (Mobilint's qbruntime 1.5.0 wheel: CPython 3.11, "
-    "x86_64 Linux, with the NPU driver installed)",
-}
+#: The mblt row of the runtime seam table (:data:`vllm_npu.targets.RUNTIME_SEAMS`).
+SEAM = RUNTIME_SEAMS["mblt"]
 
 
-class MbltRuntimeUnavailable(RuntimeError):
+class MbltRuntimeUnavailable(RuntimeUnavailable):
     """The runtime module of an mblt target cannot be imported."""
 
 
 def load_runtime(
     target: str, *, import_module: Callable[[str], ModuleType] = importlib.import_module
 ) -> ModuleType:
-    """Import and return the qbruntime-API module of an mblt target.
+    """Import and return the qbruntime-API module of an mblt target
+    (:func:`vllm_npu.targets.load_runtime`).
 
     Args:
         target: ``"mblt-sim"`` (``npusim.mxq``) or ``"mblt-hw"`` (``qbruntime``).
@@ -49,17 +47,4 @@ def load_runtime(
         MbltRuntimeUnavailable: the module cannot be imported; the message names the module and
             how to install it, and the ImportError is chained.
     """
-    try:
-        module_name = RUNTIME_MODULES[target]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"target {target!r} has no Mobilint runtime; expected one of: "
-            f"{', '.join(RUNTIME_MODULES)}"
-        ) from None
-    try:
-        return import_module(module_name)
-    except ImportError as exc:
-        raise MbltRuntimeUnavailable(
-            f"target {target!r} needs the Python module {module_name!r}, which cannot be "
-            f"imported ({exc}); {_INSTALL_HINTS[target]}"
-        ) from exc
+    return _load_runtime("mblt", target, import_module=import_module, error=MbltRuntimeUnavailable)

@@ -12,7 +12,7 @@ of ``libtorch_neuronx_lite.compile.platform``:
   ``model(inputs={name: NrtpyTensor})``, ``NrtpyTensor.from_numpy(array, core_id=...)``,
   ``kv_cache_shape(...)``, and the errors ``NrtpyError`` / ``NrtError``.
 
-The module is imported by *name* (:data:`RUNTIME_MODULES`): ``neuron-sim`` is the numpy
+The module is imported by *name* (the runtime seam table, :data:`vllm_npu.targets.RUNTIME_SEAMS`): ``neuron-sim`` is the numpy
 simulator ``npusim.neff``; ``neuron-hw`` is ``nrtpy`` from the Neuron SDK. Nothing else in
 :mod:`vllm_npu.neuron` imports either.
 
@@ -30,16 +30,13 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-__all__ = ["NeuronRuntimeUnavailable", "RUNTIME_MODULES", "compiler_of", "load_runtime"]
+from vllm_npu.targets import RUNTIME_SEAMS, RuntimeUnavailable
+from vllm_npu.targets import load_runtime as _load_runtime
 
-#: Target name -> importable module providing the runtime surface above.
-RUNTIME_MODULES: dict[str, str] = {"neuron-sim": "npusim.neff", "neuron-hw": "nrtpy"}
+__all__ = ["NeuronRuntimeUnavailable", "SEAM", "compiler_of", "load_runtime"]
 
-_INSTALL_HINTS: dict[str, str] = {
-    "neuron-sim": "install npu-harness (pip install -e .) or put its simulators/ directory on PYTHONPATH",
-    "neuron-hw": "install the Neuron SDK's Python runtime (nrtpy) on a Trn2/Trn3 instance with the "
-                 "aws-neuronx-runtime-lib and driver packages",
-}
+#: The neuron row of the runtime seam table (:data:`vllm_npu.targets.RUNTIME_SEAMS`).
+SEAM = RUNTIME_SEAMS["neuron"]
 
 HW_COMPILE_PENDING = (
     "compiling NEFFs on neuron-hw needs the model traced to HLO for neuronx-cc, which the Neuron "
@@ -57,7 +54,7 @@ HW_ADAPTER_PENDING = (
     "built yet (issue 11)")
 
 
-class NeuronRuntimeUnavailable(RuntimeError):
+class NeuronRuntimeUnavailable(RuntimeUnavailable):
     """The runtime module of a Neuron target cannot be imported (names it and how to get it)."""
 
 
@@ -69,17 +66,8 @@ def load_runtime(target: str, *,
         ValueError: ``target`` is not a Neuron target.
         NeuronRuntimeUnavailable: the module cannot be imported (the ImportError is chained).
     """
-    try:
-        name = RUNTIME_MODULES[target]
-    except (KeyError, TypeError):
-        raise ValueError(f"target {target!r} has no Neuron runtime; expected one of: "
-                         f"{', '.join(RUNTIME_MODULES)}") from None
-    try:
-        module = import_module(name)
-    except ImportError as exc:
-        raise NeuronRuntimeUnavailable(
-            f"target {target!r} needs the Python module {name!r}, which cannot be imported ({exc}); "
-            f"{_INSTALL_HINTS[target]}") from exc
+    module = _load_runtime("neuron", target, import_module=import_module, error=NeuronRuntimeUnavailable)
+    name = SEAM.import_name(target)
     missing = [n for n in SURFACE if not hasattr(module, n)]
     if missing:
         raise NotImplementedError(HW_ADAPTER_PENDING.format(module=name, missing=missing))

@@ -26,10 +26,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from vllm_npu.rbln.runtime import load_rebel_for_compile
 from vllm_npu.settings import parse_json
 
 __all__ = ["AotInputError", "AotCompileError", "SERVING_FILES", "TOKENIZER_FILES", "compile_model",
-           "import_rebel", "parse_batch_sizes", "parse_overrides"]
+           "parse_batch_sizes", "parse_overrides"]
 
 #: Model files ``vllm serve`` reads besides the compiled programs.
 SERVING_FILES: tuple[str, ...] = ("config.json", "generation_config.json")
@@ -41,8 +42,6 @@ TOKENIZER_FILES: tuple[str, ...] = (
 #: Files of which one makes a loadable tokenizer (with ``tokenizer_config.json``).
 _TOKENIZER_MODELS = ("tokenizer.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model",
                      "vocab.json", "vocab.txt")
-#: Targets under which the simulator may stand in for a missing rebel-compiler.
-SIM_TARGETS = ("", "rbln-sim")
 
 
 class AotInputError(ValueError):
@@ -85,47 +84,6 @@ def parse_overrides(text: str | None) -> dict[str, Any]:
     if text is None:
         return {}
     return parse_json(text, name="--optimum-overrides", kind=dict, error=AotInputError)
-
-
-def import_rebel(environ: Mapping[str, str] | None = None) -> tuple[Any, str]:
-    """``import rebel``, falling back to the simulator; returns ``(module, description)``.
-
-    The description says which ``rebel`` it is: ``simulator npusim.rbln ...`` or
-    ``rebel-compiler <version> (<path>)``.
-
-    Raises:
-        AotInputError: no ``rebel`` is importable and the simulator may not stand in (a real
-            installation that fails to import, ``NPU_HARNESS_TARGET`` naming another target, or
-            the simulator's own import failing).
-    """
-    env = os.environ if environ is None else environ
-    try:
-        module = importlib.import_module("rebel")
-    except ImportError as exc:
-        from npusim import alias
-
-        state = alias.status("rebel", env)
-        if state.state == "real":
-            raise AotInputError(f"import rebel failed ({exc}), and a rebel-compiler is installed "
-                                f"({state.module}): fix that installation") from exc
-        target = str(env.get(alias.TARGET_ENV_VAR) or "").strip()
-        if target not in SIM_TARGETS:
-            raise AotInputError(
-                f"import rebel failed ({exc}): install rebel-compiler (pip install "
-                "--extra-index-url https://pypi.rbln.ai/simple rebel-compiler==0.12.0); the npusim "
-                f"simulator stands in only when {alias.TARGET_ENV_VAR} is unset or rbln-sim, not "
-                f"{target!r}") from exc
-        alias.activate("rebel")
-        try:
-            module = importlib.import_module("rebel")
-        except ImportError as sim_exc:
-            raise AotInputError(f"import rebel failed ({exc}), and so did the npusim.rbln simulator "
-                                f"({sim_exc})") from sim_exc
-    sim = getattr(module, "SIMULATOR", None)
-    if sim:
-        return module, f"simulator {sim} (npusim.alias: no rebel-compiler is installed)"
-    where = getattr(module, "__file__", None) or "?"
-    return module, f"rebel-compiler {getattr(module, '__version__', '?')} ({where})"
 
 
 def _positive(name: str, value: Any) -> int:
@@ -229,7 +187,7 @@ def compile_model(hf_dir: str | os.PathLike[str], out: str | os.PathLike[str], *
     # Fail fast on the settings alone, before rebel and torch load: the block (any NPU gives the
     # same answer without overrides) and, with --npu, the whole config.
     plan(npu or "RBLN-CA25", overrides if npu is not None else {})
-    rebel, which = import_rebel(env)
+    rebel, which = load_rebel_for_compile(env, error=AotInputError)
     log(f"rebel: {which}")
     if npu is None:
         try:

@@ -93,9 +93,9 @@ class RblnPlatform(NpuPlatform):
 
     @classmethod
     def manual_seed_all(cls, seed: int) -> None:
-        from vllm_npu.rbln.worker import import_rebel
+        from vllm_npu.rbln.runtime import load_rebel
 
-        import_rebel().manual_seed(seed)
+        load_rebel().manual_seed(seed)
 
     @classmethod
     def configure(cls, vllm_config: Any) -> None:
@@ -112,7 +112,8 @@ class RblnPlatform(NpuPlatform):
         """
         from vllm_npu.rbln import compile_plan as cp
         from vllm_npu.rbln import device, engine_args, model_impl, options
-        from vllm_npu.rbln.worker import PLAN_KEY, import_rebel
+        from vllm_npu.rbln.runtime import load_rebel
+        from vllm_npu.rbln.worker import PLAN_KEY
 
         mc, sched, cache = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
         flag, user_tokens = engine_args.captured()
@@ -127,7 +128,7 @@ class RblnPlatform(NpuPlatform):
         extra = dict(extra) if isinstance(extra, dict) else extra
         res = model_impl.resolve_model_impl(flag, extra, os.environ, mc.model)
         logger.info("RBLN model path: %s (%s)", res.impl, res.log)
-        rebel = import_rebel()
+        rebel = load_rebel()
         try:
             name = device.device_name(rebel)
         except device.NpuNameUnavailableError:

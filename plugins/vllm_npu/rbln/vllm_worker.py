@@ -39,7 +39,8 @@ from vllm_npu.host_sampling import HostSampler
 from vllm_npu.rbln.attention import RblnAttentionMetadata
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
-from vllm_npu.rbln.worker import PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError, import_rebel
+from vllm_npu.rbln.runtime import load_rebel
+from vllm_npu.rbln.worker import PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
@@ -112,7 +113,7 @@ class RblnVllmWorker(RblnStepWorker):
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader import get_model
 
-        rebel = import_rebel()
+        rebel = load_rebel()
         try:
             from importlib import import_module
 

@@ -17,7 +17,6 @@ the same KV positions), then the step fails with :class:`RblnDeviceError`.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 from vllm_npu._worker import NpuWorker
 from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator, scatter_logprobs
 from vllm_npu.rbln import compile_plan as cp
+from vllm_npu.rbln.runtime import load_rebel, model_class
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
@@ -43,34 +43,6 @@ class RblnWorkerError(RuntimeError):
 
 class RblnDeviceError(RblnWorkerError):
     """A device call failed again after the one retry (the runtime's error is chained)."""
-
-
-def import_rebel() -> Any:
-    """``import rebel`` by name (the vendor API seam).
-
-    Raises:
-        RblnWorkerError: it cannot be imported (names how to get one).
-    """
-    try:
-        return importlib.import_module("rebel")
-    except ImportError as exc:
-        raise RblnWorkerError(
-            f"import rebel failed ({exc}): on an RBLN host install rebel-compiler "
-            "(pip install --extra-index-url https://pypi.rbln.ai/simple rebel-compiler==0.12.0); "
-            "on rbln-sim run `npu-harness alias install` and set NPU_HARNESS_TARGET=rbln-sim") from exc
-
-
-def model_class(name: str) -> Any:
-    """optimum-rbln's class ``name`` (``RBLNLlamaForCausalLM``).
-
-    Raises:
-        RblnWorkerError: optimum-rbln is missing or has no such class.
-    """
-    try:
-        orbln = importlib.import_module("optimum.rbln")
-        return getattr(orbln, name)
-    except (ImportError, AttributeError) as exc:
-        raise RblnWorkerError(f"optimum-rbln provides no {name} ({exc}); pip install optimum-rbln==0.12.0") from exc
 
 
 class RblnStepWorker(NpuWorker):
@@ -168,7 +140,7 @@ class RblnOptimumWorker(RblnStepWorker):
             RblnWorkerError: no rebel / optimum-rbln; the compiled model does not match the plan.
             whatever optimum-rbln raises for the compile (its own messages).
         """
-        rebel = import_rebel()
+        rebel = load_rebel()
         compiled = self.plan["compiled_dir"]
         cls = model_class(self.plan["model_class"])
         t0 = time.perf_counter()
