@@ -63,6 +63,7 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
+from vllm_npu.device_retry import DeviceRetry
 from vllm_npu.host_sampling import num_logprobs, request_generator, scatter_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
@@ -189,6 +190,12 @@ def _core_mode_mismatch(runtime: Any, mxq_path: str, core_mode: str) -> str:
     return (f"The MXQ {mxq_path} does not run in core_mode={core_mode}{hint}: qbruntime answered "
             f"Model_MXQAndModelConfigNotMatch. Its compiled core modes: {modes}. Pass "
             "--model-loader-extra-config '{\"core_mode\": \"<one of them>\"}'.")
+
+
+def device_retry(runtime: Any) -> DeviceRetry:
+    """MBLT's retry policy: the qbruntime-API module's ``QbRuntimeError`` is the device error
+    (:mod:`vllm_npu.device_retry`); anything else is a bug and propagates as itself."""
+    return DeviceRetry("MBLT", (runtime.QbRuntimeError,), MbltDeviceError)
 
 
 class MbltWorker(NpuWorker):
@@ -861,23 +868,15 @@ class MbltWorker(NpuWorker):
         )
 
     def _infer(self, rows: list[Row]) -> list[np.ndarray]:
-        """One dispatch; a runtime error is retried once (every row rewrites the same KV
-        positions, so the retry is exact), then raised as :class:`MbltDeviceError`."""
+        """One dispatch; a ``QbRuntimeError`` is retried once (every row rewrites the same KV
+        positions, so the retry is exact), then raised as :class:`MbltDeviceError`
+        (:class:`vllm_npu.device_retry.DeviceRetry`; any other error propagates as itself)."""
         assert self.backend is not None
-        runtime_error = getattr(self.runtime, "QbRuntimeError", RuntimeError)
-        try:
-            return self.backend.infer_rows(rows)
-        except runtime_error as first:
-            self.stats["infer_retries"] += 1
-            logger.warning("MBLT infer failed on slots %s; retrying the step once: %s",
-                           [(r.model_idx, r.cache_id) for r in rows], str(first).splitlines()[0])
-            try:
-                return self.backend.infer_rows(rows)
-            except runtime_error as second:
-                raise MbltDeviceError(
-                    f"MBLT infer failed twice on slots {[(r.model_idx, r.cache_id) for r in rows]}: "
-                    f"{str(second).splitlines()[0]} (the runtime's detail is in the server log)"
-                ) from second
+        return device_retry(self.runtime).call("infer", lambda: self.backend.infer_rows(rows), on_retry=self._count_infer_retry,
+                          where=f" on slots {[(r.model_idx, r.cache_id) for r in rows]}")
+
+    def _count_infer_retry(self) -> None:
+        self.stats["infer_retries"] += 1
 
     def _run(self, work: list[tuple[_Req, int]]) -> list[np.ndarray | None]:
         """Compute each request's tokens ``[cache_len, end)``; return its last-token logits.

@@ -45,7 +45,7 @@ HW_COMPILE_PENDING = (
 
 
 #: The names the worker and platform call on the runtime module.
-SURFACE: tuple[str, ...] = ("device_info", "get_platform_target", "NrtpyModel", "NrtpyTensor", "NeffSpec",
+SURFACE: tuple[str, ...] = ("device_info", "get_platform_target", "NrtpyModel", "NrtpyTensor", "NeffSpec", "NrtError",
                             "kv_cache_shape", "COMPILER_VERSION", "reset")
 HW_ADAPTER_PENDING = (
     "the runtime module {module!r} lacks {missing}: nrtpy loads and runs NEFFs, but the device queries "

@@ -21,8 +21,9 @@ The device is reached only through the runtime seam (:mod:`vllm_npu.neuron.runti
 
 Sampling is on the device (the NEFF's ``tokens`` output, from the host's uniforms) unless
 ``on_device_sampling_config`` is null, when vLLM's sampler runs on the host
-(:mod:`vllm_npu.host_sampling`). A failed NEFF execution is retried once (it rewrites the same
-KV slots); a second failure is :class:`NeuronDeviceError` and the engine stops.
+(:mod:`vllm_npu.host_sampling`). A NEFF execution that fails with an NRT error is retried once (it
+rewrites the same KV slots); a second failure is :class:`NeuronDeviceError` and the engine stops
+(:class:`vllm_npu.device_retry.DeviceRetry`; any other error propagates as itself).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ import torch
 
 from vllm_npu._worker import NpuWorker
 from vllm_npu.neuron import compile_cache as cc
+from vllm_npu.device_retry import DeviceRetry
 from vllm_npu.neuron.errors import NeuronDeviceError, NeuronWorkerError
 from vllm_npu.neuron.runtime import compiler_of, load_runtime
 
@@ -92,6 +94,13 @@ def _process_age_s() -> float:
 _IMPORTED_AT = time.perf_counter()
 
 
+def device_retry(runtime: Any) -> DeviceRetry:
+    """Neuron's retry policy: the runtime's NRT status errors (``NrtError``: ``NRT_FAILURE``...)
+    are device errors; ``NrtpyError``, a misuse of the binding (a wrong shape or dtype), is a bug
+    and propagates as itself (:mod:`vllm_npu.device_retry`)."""
+    return DeviceRetry("Neuron", (runtime.NrtError,), NeuronDeviceError)
+
+
 class NeuronWorker(NpuWorker):
     """vLLM worker executing NEFFs through the Neuron runtime seam (module docstring)."""
 
@@ -129,6 +138,7 @@ class NeuronWorker(NpuWorker):
         if limited:
             logger.info("Neuron worker: host OpenBLAS set to 1 thread (%s)", ", ".join(map(os.path.basename, limited)))
         self.nrt = load_runtime(self.target)
+        self.retry = device_retry(self.nrt)
         self.device_info = self.nrt.device_info()
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:  # noqa: ARG002
@@ -363,8 +373,11 @@ class NeuronWorker(NpuWorker):
             raise recompile_error(name, tensor, largest, want)
         return neff
 
+    def _count_retry(self) -> None:
+        self.stats["retries"] += 1
+
     def _run(self, name: str, label: str, what: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Execute NEFF ``name`` once, retried once on a runtime error (module docstring);
+        """Execute NEFF ``name`` once, retried once on an NRT error (module docstring);
         ``label`` is the ``neff_execution_count`` bucket name."""
         neff = self.neffs[name]
         feed = {k: self.nrt.NrtpyTensor.from_numpy(v, name=k) for k, v in inputs.items()}
@@ -374,15 +387,7 @@ class NeuronWorker(NpuWorker):
             out = neff(inputs=feed)
             return {k: v.numpy() for k, v in out.items()}
 
-        try:
-            out = call()
-        except RuntimeError as first:
-            self.stats["retries"] += 1
-            logger.warning("Neuron %s failed; retrying once: %s", what, str(first).splitlines()[0])
-            try:
-                out = call()
-            except RuntimeError as second:
-                raise NeuronDeviceError(f"Neuron {what} failed twice: {str(second).splitlines()[0]}") from second
+        out = self.retry.call(what, call, on_retry=self._count_retry)
         self.metrics.neff_executed(label)
         return out
 

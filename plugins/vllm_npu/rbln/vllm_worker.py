@@ -40,7 +40,8 @@ from vllm_npu.rbln.attention import RblnAttentionMetadata
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
 from vllm_npu.rbln.runtime import load_rebel
-from vllm_npu.rbln.worker import PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError
+from vllm_npu.device_retry import DeviceRetry
+from vllm_npu.rbln.worker import DEVICE_RETRY, PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
@@ -68,6 +69,12 @@ def _warm_up_enabled() -> bool:
         SettingError: any other value.
     """
     return env_switch("VLLM_RBLN_ENABLE_WARM_UP", default=True, words=RBLN_ENV_WORDS)
+
+
+#: The vllm path's retry: RBLN's device errors (:data:`vllm_npu.rbln.worker.DEVICE_RETRY`), read
+#: through torch.compile's wrapping (the innermost cause), and never a recompile refusal.
+VLLM_PATH_RETRY = DeviceRetry("RBLN", DEVICE_RETRY.device_errors, RblnDeviceError,
+                              never=DEVICE_RETRY.never, cause_of=lambda exc: _root(exc))
 
 
 class RblnVllmWorker(RblnStepWorker):
@@ -276,22 +283,13 @@ class RblnVllmWorker(RblnStepWorker):
                 return self.compiled(ids_t, pos)
 
         try:
-            out = run()
-        except RblnRecompileError:
+            out = VLLM_PATH_RETRY.call(f"{phase} of {n} tokens", run, on_retry=self._count_retry,
+                                       may_retry=lambda: self.warmed and self.stats["compiles"] == before)
+        except Exception as exc:
+            cause = _root(exc)
+            if isinstance(cause, RblnRecompileError) and cause is not exc:
+                raise cause from exc  # torch.compile wrapped the strict-mode refusal: name it
             raise
-        except Exception as first:  # noqa: BLE001 - the runtime's errors are RuntimeError/ValueError subclasses
-            cause = _root(first)
-            if isinstance(cause, RblnRecompileError):
-                raise cause from first
-            if not self.warmed or self.stats["compiles"] != before:
-                raise
-            self.stats["retries"] += 1
-            logger.warning("RBLN %s of %d tokens failed; retrying once: %s", phase, n, str(cause).splitlines()[0])
-            try:
-                out = run()
-            except Exception as second:  # noqa: BLE001
-                raise RblnDeviceError(f"RBLN {phase} of {n} tokens failed twice: "
-                                      f"{str(_root(second)).splitlines()[0]}") from second
         self.shapes.add((phase, n))
         return out
 

@@ -11,8 +11,9 @@ host sampling done (:mod:`vllm_npu.host_sampling`).
 
 A step's device work comes from :class:`vllm_npu.rbln.sequences.SequenceTable`: prefills one at a
 time through ``model.prefill_decoder`` (chunked by optimum-rbln), then one padded decode
-through ``model.decoders[bucket]``. A device call that fails is retried once (a retry rewrites
-the same KV positions), then the step fails with :class:`RblnDeviceError`.
+through ``model.decoders[bucket]``. A device call that fails with a runtime error is retried once
+(a retry rewrites the same KV positions), then the step fails with :class:`RblnDeviceError`
+(:data:`DEVICE_RETRY`; any other error propagates as itself).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
+from vllm_npu.device_retry import DeviceRetry
 from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator, scatter_logprobs
 from vllm_npu.rbln import compile_plan as cp
 from vllm_npu.rbln.runtime import load_rebel, model_class
@@ -45,6 +47,13 @@ class RblnDeviceError(RblnWorkerError):
     """A device call failed again after the one retry (the runtime's error is chained)."""
 
 
+#: RBLN's device errors: rebel's C++ core raises its runtime failures as ``RuntimeError``; a
+#: ``ValueError`` (inputs that are not the compiled shapes) or the plugin's own errors are bugs,
+#: never retried (:mod:`vllm_npu.device_retry`).
+DEVICE_RETRY = DeviceRetry("RBLN", (RuntimeError,), RblnDeviceError,
+                           never=(NotImplementedError, RecursionError, RblnWorkerError))
+
+
 class RblnStepWorker(NpuWorker):
     """What both RBLN workers share: a step's scheduler output applied to the
     :class:`~vllm_npu.rbln.sequences.SequenceTable`, the device work of its plan
@@ -58,6 +67,10 @@ class RblnStepWorker(NpuWorker):
     npu_name = "RBLN"
     table: SequenceTable | None = None
     sampler: HostSampler | None = None
+
+    def _count_retry(self) -> None:
+        """Count one device-call retry (``stats["retries"]``)."""
+        self.stats["retries"] += 1
 
     def _run(self, plan: StepPlan) -> np.ndarray:
         """Run ``plan`` on the device; return the logits of :meth:`StepPlan.sampled`, in order."""
@@ -216,18 +229,8 @@ class RblnOptimumWorker(RblnStepWorker):
     # ------------------------------------------------------------------ the step
 
     def _device_call(self, what: str, fn):
-        """``fn()`` with one retry on a runtime error (see the module docstring)."""
-        try:
-            return fn()
-        except (RuntimeError, ValueError) as first:
-            if isinstance(first, RblnWorkerError):
-                raise
-            self.stats["retries"] += 1
-            logger.warning("RBLN %s failed; retrying once: %s", what, str(first).splitlines()[0])
-            try:
-                return fn()
-            except (RuntimeError, ValueError) as second:
-                raise RblnDeviceError(f"RBLN {what} failed twice: {str(second).splitlines()[0]}") from second
+        """``fn()`` under :data:`DEVICE_RETRY` (see the module docstring)."""
+        return DEVICE_RETRY.call(what, fn, on_retry=self._count_retry)
 
     def _run(self, plan: StepPlan) -> np.ndarray:
         """Run ``plan``; return the last-position logits of :meth:`StepPlan.sampled`, in order."""
