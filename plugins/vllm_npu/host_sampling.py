@@ -2,7 +2,13 @@
 
 The device returns logits; sampling (temperature, top-p, top-k, seeds, logprobs, bad words and
 the frequency / presence / repetition penalties) runs on the CPU with vLLM's sampler, as
-vllm-mblt and vllm-rbln (with ``--no-rbln-use-custom-sampler``) do. A device whose vendor has a
+vllm-mblt and vllm-rbln (with ``--no-rbln-use-custom-sampler``) do. ``allowed_token_ids`` is
+vLLM's mask of the sampler's metadata, and ``min_p``, ``min_tokens`` and ``logit_bias`` are vLLM's
+own built-in logits processors (with the server's ``--logits-processors`` beside them), built by
+vLLM's ``build_logitsprocs``. They keep per-request state by batch row: each step the sampler
+hands them the step's rows as vLLM's ``BatchUpdate`` (row ``i`` of the logits is request ``i``,
+re-added every step with its output so far; rows past the step's batch are removed), so a
+processor sees every request it serves at every step. A device whose vendor has a
 switch for the penalties passes its value and its name (MBLT: ``VLLM_MBLT_ENABLE_SAMPLING_PENALTIES=0``,
 see :mod:`vllm_npu.mblt.sampling`); the sampler then logs once which ones it dropped. The
 sampler reads no switch itself, so one device's switch never reaches another's sampler.
@@ -13,6 +19,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -20,6 +28,8 @@ import torch
 logger = logging.getLogger("vllm.vllm_npu")
 
 _GREEDY_EPS = 1e-5
+#: Rows a step may sample when the sampler is built without the server's config (tests).
+DEFAULT_MAX_ROWS = 256
 
 
 def num_logprobs(params: object, vocab_size: int, field: str = "logprobs") -> int | None:
@@ -59,6 +69,10 @@ class HostSampler:
 
     Args:
         vocab_size: logits width.
+        vllm_config: the server's config: its ``max_num_seqs`` sizes the logits processors, its
+            ``--logits-processors`` join vLLM's built-in ones and its ``--logprobs-mode`` is the
+            sampler's (None: the built-ins alone, for at most :data:`DEFAULT_MAX_ROWS` rows a
+            step, and raw logprobs; tests).
         enable_penalties: apply frequency/presence/repetition penalties (default on; a device
             with a vendor switch passes its value, e.g. MBLT's :func:`vllm_npu.mblt.sampling.penalties_enabled`).
         switch: the setting that turned them off, named in the warning (required when
@@ -70,7 +84,7 @@ class HostSampler:
     """
 
     def __init__(self, vocab_size: int, enable_penalties: bool = True,
-                 switch: str | None = None, log: logging.Logger | None = None) -> None:
+                 switch: str | None = None, log: logging.Logger | None = None, vllm_config: Any = None) -> None:
         from vllm.v1.sample.sampler import Sampler
 
         if not enable_penalties and not switch:
@@ -79,8 +93,20 @@ class HostSampler:
         self.enable_penalties = bool(enable_penalties)
         self.switch = switch
         self.log = log or logger
-        self._sampler = Sampler(logprobs_mode="raw_logprobs")
         self._warned: set[str] = set()
+        if vllm_config is None:
+            config: Any = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=DEFAULT_MAX_ROWS),
+                                          speculative_config=None)
+            custom: Sequence[Any] = ()
+            mode = "raw_logprobs"
+        else:
+            config, custom = vllm_config, getattr(vllm_config.model_config, "logits_processors", None) or ()
+            mode = str(getattr(vllm_config.model_config, "logprobs_mode", None) or "raw_logprobs")
+        #: vLLM's ``--logprobs-mode``: raw_logprobs, raw_logits, processed_logprobs or processed_logits.
+        self.logprobs_mode = getattr(mode, "value", mode)
+        self._sampler = Sampler(logprobs_mode=self.logprobs_mode)
+        self._config, self._custom = config, tuple(custom)
+        self._build_logitsprocs(int(config.scheduler_config.max_num_seqs))
 
     def _dropped_penalties(self, params: object) -> None:
         dropped = [name for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
@@ -95,7 +121,6 @@ class HostSampler:
             )
 
     def metadata(self, reqs: Sequence[SampleRequest]):
-        from vllm.v1.sample.logits_processor import LogitsProcessors
         from vllm.v1.sample.metadata import SamplingMetadata
 
         n = len(reqs)
@@ -145,10 +170,53 @@ class HostSampler:
             presence_penalties=torch.tensor(pres, dtype=torch.float32),
             repetition_penalties=torch.tensor(rep, dtype=torch.float32),
             output_token_ids=[list(r.output_ids) for r in reqs],
-            allowed_token_ids_mask=None,
+            allowed_token_ids_mask=self._allowed_mask(reqs),
             bad_words_token_ids=bad_words,
-            logitsprocs=LogitsProcessors(None),
+            logitsprocs=self._step_logitsprocs(reqs),
         )
+
+    def _allowed_mask(self, reqs: Sequence[SampleRequest]) -> torch.Tensor | None:
+        """vLLM's ``allowed_token_ids_mask``: True where a row's token is *not* allowed (None
+        when no request restricts its tokens)."""
+        rows = [(i, r.params.allowed_token_ids) for i, r in enumerate(reqs)
+                if getattr(r.params, "allowed_token_ids", None)]
+        if not rows:
+            return None
+        mask = torch.zeros((len(reqs), self.vocab_size), dtype=torch.bool)
+        for i, allowed in rows:
+            mask[i] = True
+            mask[i, torch.as_tensor(list(allowed), dtype=torch.long)] = False
+        return mask
+
+    def _build_logitsprocs(self, max_rows: int) -> None:
+        """vLLM's ``build_logitsprocs`` for ``max_rows`` rows a step (state starts empty: every
+        step re-adds its rows)."""
+        from vllm.v1.sample.logits_processor import build_logitsprocs
+
+        config = self._config
+        if max_rows != int(config.scheduler_config.max_num_seqs):
+            config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=max_rows),
+                                     speculative_config=getattr(config, "speculative_config", None))
+        self.max_rows = max_rows
+        self.logitsprocs = build_logitsprocs(config, torch.device("cpu"), False, False, self._custom)
+        self._rows = 0  # the batch size the logits processors hold state for
+
+    def _step_logitsprocs(self, reqs: Sequence[SampleRequest]):
+        """The logits processors, told this step's rows (see the module docstring)."""
+        from vllm.v1.sample.logits_processor import BatchUpdate
+
+        n = len(reqs)
+        if n > self.max_rows:  # a step past max_num_seqs (a test driving the worker directly)
+            self._build_logitsprocs(n)
+        update = BatchUpdate(
+            batch_size=n,
+            removed=list(range(self._rows - 1, n - 1, -1)),  # rows past this batch, descending
+            added=[(i, r.params, list(r.prompt_ids), list(r.output_ids)) for i, r in enumerate(reqs)],
+            moved=[])
+        for proc in self.logitsprocs.all:
+            proc.update_state(update)
+        self._rows = n
+        return self.logitsprocs
 
     def sample(self, logits: np.ndarray, reqs: Sequence[SampleRequest]):
         """Sample one token per row of ``logits`` ``[len(reqs), vocab]``.
@@ -156,8 +224,9 @@ class HostSampler:
         Returns:
             ``(token_ids: list[int], logprobs_tensors or None)`` (vLLM's ``LogprobsTensors``).
         """
-        t = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
-        out = self._sampler.forward(t, self.metadata(reqs), logprobs_mode_override="raw_logprobs")
+        # a copy: vLLM's sampler masks and biases the logits in place, and they are the caller's
+        t = torch.from_numpy(np.array(logits, dtype=np.float32, order="C", copy=True))
+        out = self._sampler.forward(t, self.metadata(reqs))
         return out.sampled_token_ids.view(-1).tolist(), out.logprobs_tensors
 
 

@@ -93,3 +93,78 @@ def test_mblt_s_penalties_switch_never_reaches_another_device_s_sampler(monkeypa
 def test_penalties_off_needs_the_switch_that_turned_them_off():
     with pytest.raises(ValueError, match="needs the switch"):
         HostSampler(VOCAB, enable_penalties=False)
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM's logits processors and allowed-token mask (issue 41)
+
+
+def _req(**params) -> SampleRequest:
+    output = params.pop("output", [])
+    p = SamplingParams(**{"temperature": 0.0, **params})
+    return SampleRequest(p, [1, 2], output, None)
+
+
+def _stopping(token: int, **params) -> SampleRequest:
+    """A request whose stop tokens include ``token`` (the engine's processor sets them)."""
+    r = _req(stop_token_ids=[token], **params)
+    r.params._all_stop_token_ids.add(token)
+    return r
+
+
+def test_logit_bias_min_tokens_and_allowed_token_ids_take_effect_per_row():
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(4, VOCAB)).astype(np.float32)
+    top = [int(np.argmax(row)) for row in logits]
+    sampler = HostSampler(VOCAB)
+    reqs = [_req(), _req(logit_bias={7: 100.0}), _stopping(top[2], min_tokens=2),
+            _req(allowed_token_ids=[3, 4])]
+    toks, _ = sampler.sample(logits, reqs)
+    assert toks[0] == top[0] and toks[1] == 7
+    assert toks[2] == int(np.argsort(-logits[2])[1])  # the stop token is held back below min_tokens
+    assert toks[3] == (3 if logits[3, 3] > logits[3, 4] else 4)
+    # once min_tokens outputs exist, the stop token may come; the caller's logits were not touched
+    assert sampler.sample(logits[2:3], [_stopping(top[2], min_tokens=2, output=[5, 6])])[0] == [top[2]]
+
+
+def test_rows_of_a_smaller_step_keep_no_state_of_the_last():
+    logits = np.zeros((2, VOCAB), np.float32)
+    logits[:, 9] = 1.0
+    sampler = HostSampler(VOCAB)
+    assert sampler.sample(logits, [_req(), _req(logit_bias={7: 100.0})])[0] == [9, 7]
+    assert sampler.sample(logits[:1], [_req()])[0] == [9]
+    assert sampler.sample(logits, [_req(), _req()])[0] == [9, 9]
+
+
+def test_min_p_one_makes_random_sampling_greedy():
+    rng = np.random.default_rng(4)
+    logits = rng.normal(size=(1, VOCAB)).astype(np.float32)
+    sampler = HostSampler(VOCAB)
+    draws = {sampler.sample(logits, [SampleRequest(SamplingParams(temperature=2.0, min_p=1.0, seed=s), [1], [],
+                                                   request_generator(SamplingParams(seed=s)))])[0][0]
+             for s in range(8)}
+    assert draws == {int(np.argmax(logits))}
+
+
+def test_a_step_past_max_num_seqs_grows_the_processors():
+    sampler = HostSampler(VOCAB)
+    sampler._build_logitsprocs(1)
+    logits = np.zeros((3, VOCAB), np.float32)
+    assert sampler.sample(logits, [_req(logit_bias={t: 50.0}) for t in (1, 2, 3)])[0] == [1, 2, 3]
+    assert sampler.max_rows == 3
+
+
+def test_the_server_s_logprobs_mode_is_the_sampler_s():
+    from types import SimpleNamespace
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4), speculative_config=None,
+                             model_config=SimpleNamespace(logits_processors=None, logprobs_mode="processed_logits"))
+    logits = np.zeros((1, VOCAB), np.float32)
+    logits[0, 5] = 1.0
+    sampler = HostSampler(VOCAB, vllm_config=config)
+    assert sampler.logprobs_mode == "processed_logits"
+    _, lp = sampler.sample(logits, [_req(logprobs=1, logit_bias={6: 10.0})])
+    lists = lp.tolists()
+    assert lists.logprob_token_ids[0][0] == 6 and lists.logprobs[0][0] == pytest.approx(10.0)  # after the bias
+    _, raw = HostSampler(VOCAB).sample(logits, [_req(logprobs=1, logit_bias={6: 10.0})])
+    assert raw.tolists().logprobs[0][0] < 0  # raw_logprobs: before the bias, a log-probability

@@ -338,10 +338,7 @@ def test_concurrent_requests_equal_solo(client, server, golden):
 
 
 REFUSALS = [  # (parameter named in the error, API, request arguments)
-    ("min_p", "completions", {"temperature": 0.8, "extra_body": {"min_p": 0.1}}),
-    ("allowed_token_ids", "completions", {"extra_body": {"allowed_token_ids": [5, 6]}}),
-    ("logit_bias", "completions", {"logit_bias": {"5": 2.0}}),
-    ("min_tokens", "completions", {"temperature": 0.8, "extra_body": {"min_tokens": 3}}),
+    ("logprob_token_ids", "completions", {"logprobs": 1, "extra_body": {"logprob_token_ids": [5, 6]}}),
     ("response_format", "chat", {"response_format": {"type": "json_object"}}),
 ]
 

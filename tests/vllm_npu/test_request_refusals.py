@@ -1,5 +1,6 @@
 """The platforms' ``validate_request`` on vLLM ``SamplingParams`` (HTTP 400 at the API): what
-each worker refuses, named, and what MBLT now serves (prompt logprobs, issue 20 §3.2)."""
+each worker refuses, named, and what it serves (MBLT's prompt logprobs, issue 20 §3.2; vLLM's
+logits processors on every host-sampling worker, issue 41)."""
 
 from __future__ import annotations
 
@@ -34,8 +35,6 @@ def test_rbln_refuses_prompt_logprobs_with_the_reason():
 @pytest.mark.parametrize(("field", "value"), [
     ("thinking_token_budget", 8),
     ("prompt_logprob_token_ids", [[1, 2]]),
-    ("min_p", 0.2),
-    ("allowed_token_ids", [5, 6]),
     ("logprob_token_ids", [1, 2]),
 ])
 @pytest.mark.parametrize(("platform", "error"), [(MbltPlatform, MbltRequestError), (RblnPlatform, RblnRequestError)],
@@ -49,6 +48,15 @@ def test_unhonoured_parameters_are_named(platform, error, field, value):
         assert param == "prompt_logprobs" and field in text
     else:
         assert param == field and field in text, (param, text)
+
+
+@pytest.mark.parametrize("params", [{"min_p": 0.2, "temperature": 0.8}, {"min_tokens": 3}, {"logit_bias": {5: 2.0}},
+                                    {"allowed_token_ids": [5, 6]}])
+@pytest.mark.parametrize("platform", [MbltPlatform, RblnPlatform], ids=["mblt", "rbln"])
+def test_vllm_s_logits_processors_are_served(platform, params):
+    """The host sampler runs vLLM's own logits processors and allowed-token mask (their effect:
+    tests/vllm_npu/test_host_sampling.py and the neutral scenario ``logits_processors``)."""
+    platform.validate_request({"prompt_token_ids": [1, 2, 3]}, SamplingParams(**params))
 
 
 def test_unlimited_thinking_budget_is_not_refused():

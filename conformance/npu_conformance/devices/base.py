@@ -59,14 +59,19 @@ PROMPT_LOGPROBS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
 )
 
-#: What every worker with host sampling refuses (``vllm_npu._platform.refuse_unsampled``).
-#: ``min_p`` needs a temperature: vLLM clears it for greedy requests before the platform sees
-#: them.
-HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
+#: The sampling parameters vLLM's logits processors and mask serve on the host
+#: (:mod:`vllm_npu.host_sampling`) and a device sampling on the device refuses (Neuron's
+#: on-device sampling). ``min_p`` needs a temperature: vLLM clears it for greedy requests
+#: before the platform sees them.
+LOGITS_PROCESSOR_REFUSALS: tuple[Refusal, ...] = (
     Refusal("min_p", {"min_p": 0.1, "temperature": 0.8}),
     Refusal("min_tokens", {"min_tokens": 2}),
     Refusal("logit_bias", {"logit_bias": {"5": 10}}),
     Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
+)
+
+#: What every worker with host sampling still refuses (``vllm_npu._platform.refuse_unsampled``).
+HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
     Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
     Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
     Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
@@ -158,6 +163,17 @@ class DeviceLab:
         """The golden decoder (``npusim.llm.Decoder``) of :meth:`serving_server`'s model on a
         simulator target; None on hardware."""
         return None
+
+    def sampler_server(self) -> vs.Server:
+        """The server whose worker samples on the host with vLLM's sampler (its logits
+        processors: ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids``). Default:
+        :meth:`serving_server`; a device that samples on the device by default starts its
+        host-sampling configuration (Neuron: CPU sampling)."""
+        return self.serving_server()
+
+    def sampler_refusals(self) -> tuple[Refusal, ...]:
+        """What :meth:`sampler_server` refuses (default: :attr:`refusals`)."""
+        return self.refusals
 
     def fault(self, kind: str) -> FaultPlan:
         """How to start a server with fault ``kind`` (one of :attr:`FAULT_KINDS`).

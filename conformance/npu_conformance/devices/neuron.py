@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, LOGITS_PROCESSOR_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_NEURON_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -38,10 +38,18 @@ SERVING_ARGS: tuple[str, ...] = ("--max-num-batched-tokens", "512", "--max-num-s
 ODS_REFUSALS: tuple[Refusal, ...] = (
     *PROMPT_LOGPROBS_REFUSALS,
     *HOST_SAMPLER_REFUSALS,
+    *LOGITS_PROCESSOR_REFUSALS,
     Refusal("presence_penalty", {"presence_penalty": 0.5}),
     Refusal("frequency_penalty", {"frequency_penalty": 0.5}),
     Refusal("repetition_penalty", {"repetition_penalty": 1.2}),
 )
+
+
+#: ``vllm serve`` arguments that switch on-device sampling off (the guide's CPU sampling).
+CPU_SAMPLING_ARGS: tuple[str, ...] = (
+    "--no-async-scheduling", "--additional-config", json.dumps({"neuron_config": {"on_device_sampling_config": None}}))
+#: What ``NeuronPlatform.validate_request`` refuses with CPU sampling (the host sampler's rules).
+CPU_SAMPLING_REFUSALS: tuple[Refusal, ...] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
 
 
 @dataclass
@@ -65,6 +73,15 @@ class NeuronLab(TinyModelLab):
 
     def serving_server(self) -> vs.Server:
         return self.server(self.hf_dir(), self.serving_args(), pin=True)
+
+    def sampler_server(self) -> vs.Server:
+        """The guide's CPU sampling (``on_device_sampling_config`` null, the MRv1 case; async
+        scheduling off, which the guide's rule asks for without on-device sampling): the worker
+        samples on the host with vLLM's sampler."""
+        return self.server(self.hf_dir(), [*self.serving_args(), *CPU_SAMPLING_ARGS])
+
+    def sampler_refusals(self) -> tuple[Refusal, ...]:
+        return CPU_SAMPLING_REFUSALS
 
     def fault(self, kind: str) -> FaultPlan:
         """``NPUSIM_NEFF`` execution failures from the 11th on (see the module docstring).

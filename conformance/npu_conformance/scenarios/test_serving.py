@@ -24,6 +24,11 @@ with the same request sent alone.
   must stay healthy after each (a request left unanswered ends the scenario: the rest would only
   time out). Then the same greedy request gives the same tokens as before.
   Figures: cases tried and answered correctly.
+* ``logits_processors``: ``logit_bias`` (+100 forces the token), ``min_tokens`` (a forced stop
+  token held back for :data:`MIN_TOKENS` tokens), ``allowed_token_ids`` (every token among
+  them) and ``min_p`` (1.0 turns seeded random sampling into greedy) take effect on the
+  server that samples on the host (``lab.sampler_server``: Neuron's CPU sampling), or are
+  refused with a 400 naming them where the lab's plugin refuses them. Figures: served, refused.
 * ``prompt_logprobs``: lm-eval's loglikelihood request (``echo`` with ``logprobs``) and
   ``prompt_logprobs``. A target whose lab serves them scores every prompt position: equal to the
   golden decoder's log-softmax within :data:`PROMPT_LOGPROBS_TOLERANCE` on a simulator, equal to
@@ -397,6 +402,67 @@ def test_hostile_input(target, record, device_labs):
     record.figure("hostile_answered_correctly", len(attempts) - len(wrong))
     assert not wrong, f"{len(wrong)} of {len(attempts)} hostile requests mishandled:\n" + "\n".join(wrong)
     assert _completion(server, probe) == before, "the same greedy request answers differently after hostile input"
+
+
+# ----------------------------------------------------------------------------- vLLM's logits processors
+
+#: The token ``logit_bias`` pushes (inside every vocabulary, above special tokens), and the three
+#: ``allowed_token_ids`` offers (none of them the prompt's greedy continuation).
+BIAS_TOKEN = 123
+ALLOWED_TOKENS = (321, 322, 323)
+MIN_TOKENS = 5
+
+
+def _plain(server: vs.Server, prompt: list[int], n: int, **fields: Any) -> Answer:
+    body = _ok(server.request("POST", "/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": n,
+                                                          "temperature": 0.0, "return_token_ids": True, **fields}))
+    choice = body["choices"][0]
+    return Answer(choice["text"], list(choice["token_ids"]), list(choice["prompt_token_ids"]), choice["finish_reason"])
+
+
+def test_logits_processors(target, record, device_labs):
+    """``logit_bias``, ``min_tokens``, ``allowed_token_ids`` and ``min_p`` take effect on the
+    server that samples on the host (vLLM's own logits processors and mask), each with a request
+    whose answer differs when it is ignored; a parameter the server refuses is answered 400
+    naming it (the refusal is the device's, ``lab.sampler_refusals``)."""
+    lab = _lab(device_labs, target)
+    server = lab.sampler_server()
+    refused = {r.param for r in lab.sampler_refusals()}
+    prompt = _prompts(1, 24, seed=31)[0]
+    greedy = _plain(server, prompt, 8, ignore_eos=True).token_ids
+    assert BIAS_TOKEN not in greedy and not set(ALLOWED_TOKENS) & set(greedy), "pick other probe tokens"
+    bias = {str(BIAS_TOKEN): 100}
+
+    def logit_bias() -> None:  # +100 forces the token at every step
+        assert _plain(server, prompt, 6, ignore_eos=True, logit_bias=bias).token_ids == [BIAS_TOKEN] * 6
+
+    def min_tokens() -> None:  # the forced token is a stop token: without min_tokens it stops at once
+        stop = {"logit_bias": bias, "stop_token_ids": [BIAS_TOKEN]}
+        at_once = _plain(server, prompt, 16, **stop)
+        assert at_once.finish_reason == "stop" and at_once.token_ids in ([], [BIAS_TOKEN]), at_once
+        held = _plain(server, prompt, 16, min_tokens=MIN_TOKENS, **stop)
+        assert held.finish_reason == "stop" and held.token_ids[MIN_TOKENS:] in ([], [BIAS_TOKEN]), held
+        assert len(held.token_ids[:MIN_TOKENS]) == MIN_TOKENS and BIAS_TOKEN not in held.token_ids[:MIN_TOKENS], held
+
+    def allowed_token_ids() -> None:
+        got = _plain(server, prompt, 6, ignore_eos=True, allowed_token_ids=list(ALLOWED_TOKENS)).token_ids
+        assert len(got) == 6 and set(got) <= set(ALLOWED_TOKENS), got
+
+    def min_p() -> None:  # min_p 1 keeps only the most likely token: random sampling becomes greedy
+        got = _plain(server, prompt, 8, ignore_eos=True, temperature=1.0, seed=5, min_p=1.0).token_ids
+        assert got == greedy, (got, greedy)
+
+    cases: dict[str, Callable[[], None]] = {"logit_bias": logit_bias, "min_tokens": min_tokens, "allowed_token_ids": allowed_token_ids,
+             "min_p": min_p}
+    served = [name for name in cases if name not in refused and not (name == "min_tokens" and "logit_bias" in refused)]
+    for name in served:
+        cases[name]()
+    for name in sorted(set(cases) - set(served)):  # refused: a 400 that names it
+        body = _body({r.param: r.body for r in lab.sampler_refusals()}.get(name, {name: 1}), server, lab, "completions")
+        status, message = _send(server, "completions", body, "application/json")
+        assert status == 400 and name in message, (name, status, message)
+    record.figure("logits_processors_served", len(served))
+    record.figure("logits_processors_refused", len(cases) - len(served))
 
 
 # ----------------------------------------------------------------------------- prompt logprobs

@@ -425,7 +425,7 @@ class MbltWorker(NpuWorker):
         self.table = SlotTable(backend.dump, backend.load, self.cost_model.observe_dump,
                                self.cost_model.observe_load, self._on_displaced)
         self.sampler = HostSampler(backend.vocab_size, enable_penalties=penalties_enabled(), switch=PENALTIES_ENV,
-                                   log=logger)
+                                   log=logger, vllm_config=self.vllm_config)
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
         logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))

@@ -151,7 +151,7 @@ class NeuronWorker(NpuWorker):
         if not self.plan["on_device_sampling"]:
             from vllm_npu.host_sampling import HostSampler
 
-            self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger)
+            self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
         logger.info("Neuron model %s: %d weight bytes on %s (%d logical cores, %.1f GiB HBM each), "
                     "%s sampling, Model Runner %s", self.plan["model_name"], self.plan["model_weight_bytes"],
                     self.device_info.target, self.device_info.logical_cores,

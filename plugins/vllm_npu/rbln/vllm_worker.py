@@ -174,7 +174,7 @@ class RblnVllmWorker(RblnStepWorker):
 
         self.compiled = torch.compile(forward, backend=counting_backend, dynamic=False, fullgraph=True,
                                       options=options)
-        self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger)
+        self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
         logger.info("RBLN vllm model path: %s loaded in %.2f s on %s; prefill chunk %d, decode buckets "
                     "%s, KV blocks %d of %d tokens, strict mode %s", type(self.model).__name__,
                     time.perf_counter() - t0, plan["npu"], plan["chunk"], plan["decode_buckets"],

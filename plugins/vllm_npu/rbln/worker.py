@@ -187,7 +187,7 @@ class RblnOptimumWorker(RblnStepWorker):
                     "--no-enable-prefix-caching or a smaller --max-num-seqs")
         self.table = SequenceTable(blocks, self.spec.block_size, self.spec.max_seq_len, self.spec.decoder_batch_sizes,
                                    prefix_chunk=self.spec.prefill_chunk_size if prefix else None)
-        self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger)
+        self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
         logger.info("RBLN model %s: %d KV blocks of %d tokens, max_seq_len %d, prefill chunk %d, "
                     "decoders %s, attention %s", self.spec.model_class, blocks, self.spec.block_size,
                     self.spec.max_seq_len, self.spec.prefill_chunk_size, list(self.spec.decoder_batch_sizes),
