@@ -218,14 +218,25 @@ class HostSampler:
         self._rows = n
         return self.logitsprocs
 
-    def sample(self, logits: np.ndarray, reqs: Sequence[SampleRequest]):
+    def sample(self, logits: np.ndarray, reqs: Sequence[SampleRequest], *, grammar: Any = None):
         """Sample one token per row of ``logits`` ``[len(reqs), vocab]``.
+
+        Args:
+            grammar: ``(scheduler_output, grammar_output, row_req_ids)``: vLLM's grammar bitmask
+                of the step's structured-output requests, applied to the rows of
+                ``row_req_ids`` before sampling with vLLM's own ``apply_grammar_bitmask``
+                (``-inf`` on every token the grammar forbids), as vLLM's model runner does.
 
         Returns:
             ``(token_ids: list[int], logprobs_tensors or None)`` (vLLM's ``LogprobsTensors``).
         """
         # a copy: vLLM's sampler masks and biases the logits in place, and they are the caller's
         t = torch.from_numpy(np.array(logits, dtype=np.float32, order="C", copy=True))
+        if grammar is not None:
+            from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+            scheduler_output, grammar_output, row_req_ids = grammar
+            apply_grammar_bitmask(scheduler_output, grammar_output, SimpleNamespace(req_ids=list(row_req_ids)), t)
         out = self._sampler.forward(t, self.metadata(reqs))
         return out.sampled_token_ids.view(-1).tolist(), out.logprobs_tensors
 

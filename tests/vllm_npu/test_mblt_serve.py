@@ -339,7 +339,6 @@ def test_concurrent_requests_equal_solo(client, server, golden):
 
 REFUSALS = [  # (parameter named in the error, API, request arguments)
     ("logprob_token_ids", "completions", {"logprobs": 1, "extra_body": {"logprob_token_ids": [5, 6]}}),
-    ("response_format", "chat", {"response_format": {"type": "json_object"}}),
 ]
 
 

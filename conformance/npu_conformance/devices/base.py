@@ -59,7 +59,7 @@ PROMPT_LOGPROBS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
 )
 
-#: The sampling parameters vLLM's logits processors and mask serve on the host
+#: The sampling parameters vLLM's logits processors, mask and grammar bitmask serve on the host
 #: (:mod:`vllm_npu.host_sampling`) and a device sampling on the device refuses (Neuron's
 #: on-device sampling). ``min_p`` needs a temperature: vLLM clears it for greedy requests
 #: before the platform sees them.
@@ -68,15 +68,25 @@ LOGITS_PROCESSOR_REFUSALS: tuple[Refusal, ...] = (
     Refusal("min_tokens", {"min_tokens": 2}),
     Refusal("logit_bias", {"logit_bias": {"5": 10}}),
     Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
+    Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
+    Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
 )
 
 #: What every worker with host sampling still refuses (``vllm_npu._platform.refuse_unsampled``).
 HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
-    Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
-    Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
     Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
     Refusal("thinking_token_budget", {"thinking_token_budget": 8}),
 )
+
+
+#: ``vllm serve`` arguments of every server that samples on the host: a tool-call parser (a
+#: ``tool_choice`` ``required`` or ``auto`` request needs one; ``pythonic`` needs no special
+#: token and leaves ``required`` to vLLM's plain JSON array of calls, where ``hermes`` wraps it
+#: in its own structural tag), and xgrammar (the golden decoder's masks are xgrammar's) with
+#: JSON grammars without free whitespace (``disable_any_whitespace``): a tiny random model under
+#: vLLM's default grammar may fill ``max_tokens`` with whitespace and never close an object.
+TOOL_ARGS: tuple[str, ...] = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+                              "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:

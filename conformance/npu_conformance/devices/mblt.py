@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, TOOL_ARGS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 #: A Mobilint Mixture-of-Experts release directory (e.g. mobilint/Qwen3-30B-A3B) for ``mblt-hw``.
@@ -130,7 +130,7 @@ class MbltLab(DeviceLab):
         """K=4 artifact with the seed's chunk dict, ``--max-model-len 1024``; NPU tracing on
         and prefix min-hit 256 (for the MBLT prefix scenario; greedy requests do not notice)."""
         art = self.artifact(k=4, chunk=SERVING_CHUNKS)
-        return self.server(art, ["--max-model-len", str(self.max_model_len)], pin=True,
+        return self.server(art, ["--max-model-len", str(self.max_model_len), *TOOL_ARGS], pin=True,
                            VLLM_TORCH_PROFILER_DIR=str(self.trace_dir),
                            VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD="0",
                            VLLM_MBLT_PREFIX_CACHE_MIN_HIT_TOKENS="256")

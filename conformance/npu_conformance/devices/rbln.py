@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, TOOL_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -63,7 +63,9 @@ class RblnLab(TinyModelLab):
     refusals: ClassVar[tuple[Refusal, ...]] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
 
     def serving_server(self) -> vs.Server:
-        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS], pin=True)
+        """The standard server, which also samples on the host (with vLLM's tool-call parser)."""
+        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS, *TOOL_ARGS],
+                           pin=True)
 
     def fault(self, kind: str) -> FaultPlan:
         """``NPUSIM_RBLN`` runtime-call failures from the 11th call on (see the module docstring).

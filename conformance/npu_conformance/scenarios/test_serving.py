@@ -29,6 +29,11 @@ with the same request sent alone.
   them) and ``min_p`` (1.0 turns seeded random sampling into greedy) take effect on the
   server that samples on the host (``lab.sampler_server``: Neuron's CPU sampling), or are
   refused with a 400 naming them where the lab's plugin refuses them. Figures: served, refused.
+* ``structured_outputs``: regex, choice and JSON-schema completions obey their grammar and
+  equal the golden decoder's greedy tokens under the same xgrammar mask on a simulator; the
+  chat API's ``response_format`` json_schema and a ``tool_choice`` ``required`` tool call are
+  valid. On the server that samples on the host; a 400 naming ``response_format`` where the
+  lab's plugin refuses them. Figures: answers, compared with the golden decoder.
 * ``prompt_logprobs``: lm-eval's loglikelihood request (``echo`` with ``logprobs``) and
   ``prompt_logprobs``. A target whose lab serves them scores every prompt position: equal to the
   golden decoder's log-softmax within :data:`PROMPT_LOGPROBS_TOLERANCE` on a simulator, equal to
@@ -463,6 +468,94 @@ def test_logits_processors(target, record, device_labs):
         assert status == 400 and name in message, (name, status, message)
     record.figure("logits_processors_served", len(served))
     record.figure("logits_processors_refused", len(cases) - len(served))
+
+
+# ----------------------------------------------------------------------------- structured outputs
+
+#: ``structured_outputs`` of the completions the scenario sends, and each answer's check.
+STRUCTURED: tuple[tuple[str, dict[str, Any], Callable[[str], bool]], ...] = (
+    ("regex", {"regex": "[a-z]{3}-[0-9]{2}"}, lambda text: re.fullmatch("[a-z]{3}-[0-9]{2}", text) is not None),
+    ("choice", {"choice": ["red", "green", "blue"]}, lambda text: text in ("red", "green", "blue")),
+    ("json", {"json": {"type": "object", "properties": {"n": {"type": "integer", "enum": [1, 2, 3]},
+                                                       "ok": {"type": "boolean"}},
+                       "required": ["n", "ok"], "additionalProperties": False}},
+     lambda text: _json_or_none(text) is not None and set(_json_or_none(text)) == {"n", "ok"}
+     and _json_or_none(text)["n"] in (1, 2, 3) and type(_json_or_none(text)["ok"]) is bool),
+)
+STRUCTURED_TOKENS = 48
+#: A tool whose arguments are bounded (an enum): its call always closes.
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                          "parameters": {"type": "object", "additionalProperties": False,
+                                                         "properties": {"city": {"enum": ["Paris", "Oslo", "Lima"]}},
+                                                         "required": ["city"]}}}
+
+
+def _json_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _without_stop(ids: list[int], stops: set[int]) -> list[int]:
+    return ids[:-1] if ids and ids[-1] in stops else ids
+
+
+def test_structured_outputs(target, record, device_labs):
+    """Structured outputs (regex, choice, JSON schema through ``structured_outputs``; the OpenAI
+    ``response_format`` json_schema and a tool call with ``tool_choice`` ``required`` on the chat
+    API) on the server that samples on the host: every answer obeys its grammar, and on a
+    simulator equals the golden decoder's greedy tokens under the same xgrammar mask
+    (:mod:`npu_conformance.grammar_golden`). Where the lab's plugin refuses them, each is a 400
+    naming ``response_format``."""
+    lab = _lab(device_labs, target)
+    server = lab.sampler_server()
+    if "response_format" in {r.param for r in lab.sampler_refusals()}:
+        for _kind, spec, _ok_text in STRUCTURED:
+            status, message = _send(server, "completions", _body({"structured_outputs": spec}, server, lab,
+                                                                 "completions"), "application/json")
+            assert status == 400 and "response_format" in message, (status, message)
+        record.figure("structured_refused", len(STRUCTURED))
+        return
+    golden = None
+    if lab.golden() is not None:
+        from npu_conformance.grammar_golden import GrammarGolden
+
+        golden = GrammarGolden(lab.golden(), server.model, any_whitespace=False)  # the servers' TOOL_ARGS
+    prompts = _prompts(2, 16, seed=41)
+    compared = 0
+    for kind, spec, ok_text in STRUCTURED:
+        for prompt in prompts:
+            a = _plain(server, prompt, STRUCTURED_TOKENS, structured_outputs=spec)
+            assert a.finish_reason == "stop" and ok_text(a.text), f"{kind}: {a}"
+            if golden is not None:
+                want = golden.greedy(a.prompt_token_ids, spec, STRUCTURED_TOKENS)
+                stops = set(golden.info.stop_token_ids)
+                assert _without_stop(a.token_ids, stops) == _without_stop(want, stops), f"{kind}: {a.token_ids} != {want}"
+                compared += 1
+    # the OpenAI forms on the chat API: response_format json_schema, and tool calls (required, named)
+    schema = STRUCTURED[2][1]["json"]
+    chat = _ok(server.request("POST", "/v1/chat/completions", {
+        "model": server.model, "messages": [{"role": "user", "content": "Count."}], "max_tokens": STRUCTURED_TOKENS,
+        "temperature": 0.0, "return_token_ids": True,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "count", "schema": schema}}}))
+    choice = chat["choices"][0]
+    assert choice["finish_reason"] == "stop" and STRUCTURED[2][2](choice["message"]["content"]), chat
+    if golden is not None:
+        want = golden.greedy(chat["prompt_token_ids"], {"json": schema}, STRUCTURED_TOKENS)
+        stops = set(golden.info.stop_token_ids)
+        assert _without_stop(list(choice["token_ids"]), stops) == _without_stop(want, stops), (choice, want)
+        compared += 1
+    for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        tool = _ok(server.request("POST", "/v1/chat/completions", {
+            "model": server.model, "messages": [{"role": "user", "content": "Weather?"}],
+            "max_tokens": STRUCTURED_TOKENS, "temperature": 0.0, "tools": [TOOL], "tool_choice": tool_choice,
+            "parallel_tool_calls": False}))
+        calls = tool["choices"][0]["message"].get("tool_calls") or []
+        assert len(calls) == 1 and calls[0]["function"]["name"] == "get_weather", (tool_choice, tool["choices"])
+        assert _json_or_none(calls[0]["function"]["arguments"]) in ({"city": c} for c in ("Paris", "Oslo", "Lima")), calls
+    record.figure("structured_answers", len(STRUCTURED) * len(prompts) + 3)
+    record.figure("structured_compared_to_golden", compared)
 
 
 # ----------------------------------------------------------------------------- prompt logprobs

@@ -2,8 +2,9 @@
 
 vLLM's engine calls, in order: ``init_device``, ``load_model``, ``get_kv_cache_spec``,
 ``determine_available_memory``, ``initialize_from_config``, ``compile_or_warm_up_model``,
-then ``execute_model`` once per step (it always returns the step's ``ModelRunnerOutput``,
-sampling included, so ``sample_tokens`` is never reached).
+then ``execute_model`` once per step. It returns the step's ``ModelRunnerOutput``, sampling
+included, or None when a structured-output request samples in the step: vLLM then calls
+``sample_tokens`` with the grammar bitmask (:mod:`vllm_npu.step_output`).
 
 The KV lives on the device, per slot ``(model_idx, cache_id)``; vLLM's block manager only
 does the accounting (a one-byte-per-token ``MLAAttentionSpec``), sized for
@@ -64,7 +65,7 @@ import torch
 
 from vllm_npu._worker import NpuWorker
 from vllm_npu.device_retry import DeviceRetry
-from vllm_npu.host_sampling import num_logprobs, request_generator, scatter_logprobs
+from vllm_npu.host_sampling import num_logprobs, request_generator
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.asr import AsrEncoder, AsrRelease, feature_rows, is_asr_release
@@ -77,6 +78,7 @@ from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.vlm import is_vlm_release
 from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, SampleRequest, penalties_enabled
+from vllm_npu.step_output import StepOutputs, StepSample
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
 
@@ -234,6 +236,7 @@ class MbltWorker(NpuWorker):
         self.snapshots: pc.SnapshotIndex[RequestKV] = pc.SnapshotIndex(pc.MAX_FINISHED_SNAPSHOTS)
         self.table: SlotTable | None = None
         self.sampler: HostSampler | None = None
+        self.outputs: StepOutputs | None = None
         self.tracer = None
         self.short_cache_warnings = 0
         self.kv_cache_config = None
@@ -426,6 +429,7 @@ class MbltWorker(NpuWorker):
                                self.cost_model.observe_load, self._on_displaced)
         self.sampler = HostSampler(backend.vocab_size, enable_penalties=penalties_enabled(), switch=PENALTIES_ENV,
                                    log=logger, vllm_config=self.vllm_config)
+        self.outputs = StepOutputs(self.sampler)
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
         logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))
@@ -544,8 +548,11 @@ class MbltWorker(NpuWorker):
         ``/v1/audio/transcriptions`` and ``/v1/audio/translations``)."""
         return ("generate", "transcription") if is_asr_release(self.artifact) else ("generate",)
 
-    def sample_tokens(self, grammar_output):  # noqa: ARG002
-        raise NotImplementedError("the MBLT worker samples inside execute_model")
+    def sample_tokens(self, grammar_output):
+        """The step :meth:`execute_model` left for vLLM's grammar bitmask, sampled under it
+        (:class:`vllm_npu.step_output.StepOutputs`)."""
+        assert self.outputs is not None
+        return self.outputs.sample_tokens(grammar_output)
 
     # ------------------------------------------------------------------ requests and slots
 
@@ -843,29 +850,17 @@ class MbltWorker(NpuWorker):
         logits = self._run(work)
 
         to_sample = [i for i, (st, end) in enumerate(work) if end >= len(st.prompt_ids) and end == st.num_tokens]
-        sampled: list[list[int]] = [[] for _ in order]
-        logprobs = None
-        if to_sample:
-            assert self.sampler is not None
-            reqs = [SampleRequest(work[i][0].params, work[i][0].prompt_ids, work[i][0].output_ids, work[i][0].generator)
-                    for i in to_sample]
-            toks, lp = self.sampler.sample(np.stack([logits[i] for i in to_sample]), reqs)
-            for i, tok in zip(to_sample, toks):
-                sampled[i] = [int(tok)]
-                work[i][0].output_ids.append(int(tok))
-            logprobs = scatter_logprobs(lp, to_sample, len(order))
         prompt_logprobs = {}
         for st, end in work:  # the step that completes a prompt returns its prompt logprobs
             if st.prompt_logprobs is not None and end >= len(st.prompt_ids):
                 prompt_logprobs[st.req_id] = st.prompt_logprobs.tensors()
                 st.prompt_logprobs = None
-        return ModelRunnerOutput(
-            req_ids=order,
-            req_id_to_index={rid: i for i, rid in enumerate(order)},
-            sampled_token_ids=sampled,
-            logprobs=logprobs,
-            prompt_logprobs_dict=prompt_logprobs,
-        )
+        assert self.sampler is not None and self.outputs is not None
+        return self.outputs.emit(StepSample(
+            so, order, rows=to_sample, logits=np.stack([logits[i] for i in to_sample]) if to_sample else None,
+            reqs=[SampleRequest(work[i][0].params, work[i][0].prompt_ids, work[i][0].output_ids, work[i][0].generator)
+                  for i in to_sample],
+            outputs=[work[i][0].output_ids for i in to_sample], prompt_logprobs=prompt_logprobs))
 
     def _infer(self, rows: list[Row]) -> list[np.ndarray]:
         """One dispatch; a ``QbRuntimeError`` is retried once (every row rewrites the same KV

@@ -117,6 +117,7 @@ class NeuronWorker(NpuWorker):
         self.kv: Any = None
         self.seqs: dict[str, _Seq] = {}
         self.sampler: Any = None
+        self.outputs: Any = None  # StepOutputs with CPU sampling
         self.metrics: Any = None
         self._rng = np.random.default_rng(int(vllm_config.model_config.seed or 0))
         self._prev_ids: list[str] | None = None
@@ -150,8 +151,10 @@ class NeuronWorker(NpuWorker):
         self.metrics.precreate(self.plan["prefill_names"], self.plan["decode_names"])
         if not self.plan["on_device_sampling"]:
             from vllm_npu.host_sampling import HostSampler
+            from vllm_npu.step_output import StepOutputs
 
             self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
+            self.outputs = StepOutputs(self.sampler)
         logger.info("Neuron model %s: %d weight bytes on %s (%d logical cores, %.1f GiB HBM each), "
                     "%s sampling, Model Runner %s", self.plan["model_name"], self.plan["model_weight_bytes"],
                     self.device_info.target, self.device_info.logical_cores,
@@ -294,8 +297,16 @@ class NeuronWorker(NpuWorker):
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
 
-    def sample_tokens(self, grammar_output):  # noqa: ARG002
-        raise NotImplementedError("the Neuron worker samples inside execute_model")
+    def sample_tokens(self, grammar_output):
+        """The step :meth:`execute_model` left for vLLM's grammar bitmask (CPU sampling only),
+        sampled under it (:class:`vllm_npu.step_output.StepOutputs`).
+
+        Raises:
+            RuntimeError: on-device sampling (its steps never wait for a bitmask).
+        """
+        if self.outputs is None:
+            raise RuntimeError("the Neuron worker samples on the device: no step waits for sample_tokens")
+        return self.outputs.sample_tokens(grammar_output)
 
     # ------------------------------------------------------------------ the step
 
@@ -347,18 +358,19 @@ class NeuronWorker(NpuWorker):
         for s in seqs:
             s.computed += so.num_scheduled_tokens[s.req_id]
         index = {rid: i for i, rid in enumerate(order)}
+        if self.outputs is not None:  # CPU sampling: the host sampler (and vLLM's grammar bitmask)
+            from vllm_npu.host_sampling import SampleRequest
+            from vllm_npu.step_output import StepSample
+
+            return self.outputs.emit(StepSample(
+                so, order, rows=[index[s.req_id] for s in rows], logits=logits if rows else None,
+                reqs=[SampleRequest(s.params, s.prompt, s.outputs, s.generator) for s in rows],
+                outputs=[s.outputs for s in rows]))
         sampled: list[list[int]] = [[] for _ in order]
         logprobs = None
-        if rows:
-            if self.sampler is not None:
-                from vllm_npu.host_sampling import SampleRequest, scatter_logprobs
-
-                reqs = [SampleRequest(s.params, s.prompt, s.outputs, s.generator) for s in rows]
-                toks, lp = self.sampler.sample(logits, reqs)
-                logprobs = scatter_logprobs(lp, [index[s.req_id] for s in rows], len(order))
-            else:
-                toks = [int(t) for t in tokens]
-                logprobs = self._raw_logprobs(logits, rows, toks, [index[s.req_id] for s in rows], len(order))
+        if rows:  # on-device sampling: the NEFF's tokens
+            toks = [int(t) for t in tokens]
+            logprobs = self._raw_logprobs(logits, rows, toks, [index[s.req_id] for s in rows], len(order))
             for s, tok in zip(rows, toks):
                 sampled[index[s.req_id]] = [int(tok)]
                 s.outputs.append(int(tok))

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from vllm_npu.host_sampling import HostSampler
+from vllm_npu.step_output import StepOutputs
 from vllm_npu.rbln.attention import RblnAttentionMetadata
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
@@ -175,6 +176,7 @@ class RblnVllmWorker(RblnStepWorker):
         self.compiled = torch.compile(forward, backend=counting_backend, dynamic=False, fullgraph=True,
                                       options=options)
         self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
+        self.outputs = StepOutputs(self.sampler)
         logger.info("RBLN vllm model path: %s loaded in %.2f s on %s; prefill chunk %d, decode buckets "
                     "%s, KV blocks %d of %d tokens, strict mode %s", type(self.model).__name__,
                     time.perf_counter() - t0, plan["npu"], plan["chunk"], plan["decode_buckets"],

@@ -7,7 +7,9 @@ the device only through ``rebel`` (imported by name: the real rebel-compiler on 
 directory), ``get_kv_cache_spec`` / ``determine_available_memory`` (the compiled KV block
 count, +1 for vLLM's null block), ``initialize_from_config``, ``compile_or_warm_up_model``,
 then ``execute_model`` once per step, which returns the step's ``ModelRunnerOutput`` with
-host sampling done (:mod:`vllm_npu.host_sampling`).
+host sampling done (:mod:`vllm_npu.host_sampling`), or None when a structured-output request
+samples in the step: vLLM then calls ``sample_tokens`` with the grammar bitmask
+(:mod:`vllm_npu.step_output`).
 
 A step's device work comes from :class:`vllm_npu.rbln.sequences.SequenceTable`: prefills one at a
 time through ``model.prefill_decoder`` (chunked by optimum-rbln), then one padded decode
@@ -28,7 +30,8 @@ import torch
 
 from vllm_npu._worker import NpuWorker
 from vllm_npu.device_retry import DeviceRetry
-from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator, scatter_logprobs
+from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator
+from vllm_npu.step_output import StepOutputs, StepSample
 from vllm_npu.rbln import compile_plan as cp
 from vllm_npu.rbln.runtime import load_rebel, model_class
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
@@ -67,6 +70,7 @@ class RblnStepWorker(NpuWorker):
     npu_name = "RBLN"
     table: SequenceTable | None = None
     sampler: HostSampler | None = None
+    outputs: StepOutputs  # set with the sampler
 
     def _count_retry(self) -> None:
         """Count one device-call retry (``stats["retries"]``)."""
@@ -76,8 +80,10 @@ class RblnStepWorker(NpuWorker):
         """Run ``plan`` on the device; return the logits of :meth:`StepPlan.sampled`, in order."""
         raise NotImplementedError
 
-    def sample_tokens(self, grammar_output):  # noqa: ARG002
-        raise NotImplementedError("the RBLN worker samples inside execute_model")
+    def sample_tokens(self, grammar_output):
+        """The step :meth:`execute_model` left for vLLM's grammar bitmask, sampled under it
+        (:class:`vllm_npu.step_output.StepOutputs`)."""
+        return self.outputs.sample_tokens(grammar_output)
 
     def execute_model(self, scheduler_output):
         from vllm.v1.outputs import ModelRunnerOutput
@@ -108,18 +114,11 @@ class RblnStepWorker(NpuWorker):
         table.done(plan)
 
         index = {rid: i for i, rid in enumerate(order)}
-        sampled: list[list[int]] = [[] for _ in order]
-        logprobs = None
         seqs = plan.sampled()
-        if seqs:
-            reqs = [SampleRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs]
-            toks, lp = self.sampler.sample(logits, reqs)
-            for s, tok in zip(seqs, toks):
-                sampled[index[s.req_id]] = [int(tok)]
-                s.output_ids.append(int(tok))
-            logprobs = scatter_logprobs(lp, [index[s.req_id] for s in seqs], len(order))
-        return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
-                                 logprobs=logprobs, prompt_logprobs_dict={})
+        return self.outputs.emit(StepSample(
+            so, order, rows=[index[s.req_id] for s in seqs], logits=logits if seqs else None,
+            reqs=[SampleRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs],
+            outputs=[s.output_ids for s in seqs]))
 
 
 class RblnOptimumWorker(RblnStepWorker):
@@ -188,6 +187,7 @@ class RblnOptimumWorker(RblnStepWorker):
         self.table = SequenceTable(blocks, self.spec.block_size, self.spec.max_seq_len, self.spec.decoder_batch_sizes,
                                    prefix_chunk=self.spec.prefill_chunk_size if prefix else None)
         self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
+        self.outputs = StepOutputs(self.sampler)
         logger.info("RBLN model %s: %d KV blocks of %d tokens, max_seq_len %d, prefill chunk %d, "
                     "decoders %s, attention %s", self.spec.model_class, blocks, self.spec.block_size,
                     self.spec.max_seq_len, self.spec.prefill_chunk_size, list(self.spec.decoder_batch_sizes),

@@ -1,0 +1,116 @@
+"""One output builder for the NPU workers: a step's rows to sample -> vLLM's ``ModelRunnerOutput``.
+
+A worker runs its step on the device and hands the rows that sample (their logits and
+requests) to :meth:`StepOutputs.emit`. Without a structured-output request among them the rows
+are sampled at once and the output returned. With one, ``emit`` keeps the step and returns None,
+as vLLM's own GPU model runner does: vLLM's engine then computes the grammar bitmask of the
+step's structured-output requests and calls the worker's ``sample_tokens(grammar_output)``,
+which applies it to the logits (vLLM's ``apply_grammar_bitmask``: the xgrammar or guidance
+backend's mask, -inf on every token the grammar forbids) before the host sampler samples.
+
+Each sampled token is appended to the request record's output ids (the list the worker passed),
+and the output carries the sampled ids, the logprobs and any prompt logprobs of the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from vllm_npu.host_sampling import HostSampler, SampleRequest, scatter_logprobs
+
+__all__ = ["StepOutputs", "StepSample", "needs_grammar"]
+
+
+@dataclass
+class StepSample:
+    """What a step leaves to sample and report.
+
+    Attributes:
+        scheduler_output: vLLM's ``SchedulerOutput`` of the step.
+        order: the step's request ids, in the output's order.
+        rows: for each logits row, its request's position in ``order``.
+        logits: ``[len(rows), vocab]`` float32 logits of the rows' last positions.
+        reqs: the rows' sampling requests (params, prompt, outputs so far, generator).
+        outputs: per row, the request record's output-id list each sampled token is appended to.
+        prompt_logprobs: request id -> vLLM's ``LogprobsTensors`` of a prompt this step completed.
+    """
+
+    scheduler_output: Any
+    order: list[str]
+    rows: list[int] = field(default_factory=list)
+    logits: np.ndarray | None = None
+    reqs: list[SampleRequest] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)
+    prompt_logprobs: Mapping[str, Any] = field(default_factory=dict)
+
+
+def needs_grammar(reqs: Sequence[SampleRequest]) -> bool:
+    """Whether a row samples under a grammar (``structured_outputs`` set: JSON schema, regex,
+    choice, grammar, or a tool call vLLM constrains)."""
+    return any(getattr(r.params, "structured_outputs", None) is not None for r in reqs)
+
+
+class StepOutputs:
+    """A worker's output builder (see the module docstring).
+
+    Args:
+        sampler: the worker's host sampler.
+    """
+
+    def __init__(self, sampler: HostSampler) -> None:
+        self.sampler = sampler
+        self._pending: StepSample | None = None
+
+    def emit(self, step: StepSample):
+        """The step's ``ModelRunnerOutput``, or None when a structured-output row waits for
+        vLLM's grammar bitmask (then :meth:`sample_tokens` finishes the step).
+
+        Raises:
+            RuntimeError: a deferred step was never finished (vLLM calls ``sample_tokens``
+                after every ``execute_model`` that returned None).
+        """
+        if self._pending is not None:
+            raise RuntimeError("a step left for sample_tokens was never sampled")
+        if needs_grammar(step.reqs):
+            self._pending = step
+            return None
+        return self._finish(step, None)
+
+    def sample_tokens(self, grammar_output: Any):
+        """Finish the step :meth:`emit` kept, under ``grammar_output`` (vLLM's
+        ``GrammarOutput``, or None when no request of the step has a grammar yet).
+
+        Raises:
+            RuntimeError: no step is waiting.
+        """
+        step, self._pending = self._pending, None
+        if step is None:
+            raise RuntimeError("sample_tokens called without a step waiting for it")
+        return self._finish(step, grammar_output)
+
+    def discard(self) -> None:
+        """Forget a step waiting for ``sample_tokens`` (the worker is shutting down)."""
+        self._pending = None
+
+    def _finish(self, step: StepSample, grammar_output: Any):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        sampled: list[list[int]] = [[] for _ in step.order]
+        logprobs = None
+        if step.reqs:
+            assert step.logits is not None
+            grammar = None
+            if grammar_output is not None:
+                grammar = (step.scheduler_output, grammar_output, [step.order[i] for i in step.rows])
+            toks, lp = self.sampler.sample(step.logits, step.reqs, grammar=grammar)
+            for i, out, tok in zip(step.rows, step.outputs, toks):
+                sampled[i] = [int(tok)]
+                out.append(int(tok))
+            logprobs = scatter_logprobs(lp, step.rows, len(step.order))
+        return ModelRunnerOutput(req_ids=list(step.order), req_id_to_index={rid: i for i, rid in enumerate(step.order)},
+                                 sampled_token_ids=sampled, logprobs=logprobs,
+                                 prompt_logprobs_dict=dict(step.prompt_logprobs))
