@@ -159,10 +159,11 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
 
     Raises:
         error: pooling requests, prompt embeddings, prompt logprobs (unless served),
-            ``logprob_token_ids``, ``prompt_logprob_token_ids`` or ``thinking_token_budget``
-            (each named; ``parameter`` is the first). ``min_p``, ``min_tokens``, ``logit_bias``,
-            ``allowed_token_ids`` and structured outputs are served: vLLM's own logits
-            processors, mask and grammar bitmask run in :mod:`vllm_npu.host_sampling`.
+            ``prompt_logprob_token_ids`` or ``thinking_token_budget`` (each named;
+            ``parameter`` is the first). ``min_p``, ``min_tokens``, ``logit_bias``,
+            ``allowed_token_ids``, ``logprob_token_ids`` and structured outputs are served:
+            vLLM's own logits processors, masks and grammar bitmask run in
+            :mod:`vllm_npu.host_sampling`.
     """
     from vllm.sampling_params import SamplingParams
 
@@ -174,8 +175,6 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
     refused: list[tuple[str, str]] = []  # (parameter, text)
     if params.prompt_logprobs is not None and not serves_prompt_logprobs:
         refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}{prompt_logprobs_reason}"))
-    if params.logprob_token_ids:
-        refused.append(("logprob_token_ids", "logprob_token_ids"))
     if getattr(params, "prompt_logprob_token_ids", None) is not None:
         refused.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids"))
     if getattr(params, "thinking_token_budget", None) not in (None, -1):  # -1: unlimited, i.e. unset
@@ -184,7 +183,8 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         raise error(
             f"the {worker} samples on the host with vLLM's sampler, logits processors and grammar "
             "bitmask (temperature, top_p, top_k, min_p, seed, penalties, bad_words, min_tokens, "
-            "logit_bias, allowed_token_ids, logprobs, structured outputs), not yet with "
-            "logprob_token_ids or a thinking budget (issue 41); refused: " + ", ".join(t for _p, t in refused),
+            "logit_bias, allowed_token_ids, logprobs, logprob_token_ids, structured outputs), not yet "
+            "with prompt_logprob_token_ids or a thinking budget (issue 41); refused: "
+            + ", ".join(t for _p, t in refused),
             parameter=refused[0][0],
         )

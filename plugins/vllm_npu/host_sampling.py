@@ -3,7 +3,8 @@
 The device returns logits; sampling (temperature, top-p, top-k, seeds, logprobs, bad words and
 the frequency / presence / repetition penalties) runs on the CPU with vLLM's sampler, as
 vllm-mblt and vllm-rbln (with ``--no-rbln-use-custom-sampler``) do. ``allowed_token_ids`` is
-vLLM's mask of the sampler's metadata, and ``min_p``, ``min_tokens`` and ``logit_bias`` are vLLM's
+vLLM's mask of the sampler's metadata (as are ``logprob_token_ids``, the logprobs of named
+tokens), and ``min_p``, ``min_tokens`` and ``logit_bias`` are vLLM's
 own built-in logits processors (with the server's ``--logits-processors`` beside them), built by
 vLLM's ``build_logitsprocs``. They keep per-request state by batch row: each step the sampler
 hands them the step's rows as vLLM's ``BatchUpdate`` (row ``i`` of the logits is request ``i``,
@@ -171,6 +172,8 @@ class HostSampler:
             repetition_penalties=torch.tensor(rep, dtype=torch.float32),
             output_token_ids=[list(r.output_ids) for r in reqs],
             allowed_token_ids_mask=self._allowed_mask(reqs),
+            logprob_token_ids={i: list(r.params.logprob_token_ids) for i, r in enumerate(reqs)
+                               if getattr(r.params, "logprob_token_ids", None)} or None,
             bad_words_token_ids=bad_words,
             logitsprocs=self._step_logitsprocs(reqs),
         )

@@ -168,3 +168,14 @@ def test_the_server_s_logprobs_mode_is_the_sampler_s():
     assert lists.logprob_token_ids[0][0] == 6 and lists.logprobs[0][0] == pytest.approx(10.0)  # after the bias
     _, raw = HostSampler(VOCAB).sample(logits, [_req(logprobs=1, logit_bias={6: 10.0})])
     assert raw.tolists().logprobs[0][0] < 0  # raw_logprobs: before the bias, a log-probability
+
+
+def test_logprob_token_ids_are_the_named_tokens_raw_logprobs():
+    rng = np.random.default_rng(6)
+    logits = rng.normal(size=(2, VOCAB)).astype(np.float32)
+    toks, lp = HostSampler(VOCAB).sample(logits, [_req(logprobs=1, logprob_token_ids=[5, 6]), _req(logprobs=1)])
+    lists = lp.tolists()
+    x = logits.astype(np.float64)
+    ref = x - (np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) + x.max(1, keepdims=True))
+    assert list(lists.logprob_token_ids[0][:3]) == [toks[0], 5, 6]  # the sampled token, then the named ones
+    assert np.allclose(lists.logprobs[0][:3], ref[0, [toks[0], 5, 6]], atol=1e-5)

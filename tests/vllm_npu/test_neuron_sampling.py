@@ -58,7 +58,6 @@ def test_refusals_none_for_supported():
     ("logits_processors", ["p"], "logits never reach the host"),
     ("min_tokens", 3, "EOS is not suppressed on device"),
     ("prompt_logprobs", 0, "not implemented"),
-    ("n", 2, "one sample per request"),
 ])
 def test_each_refusal(param, value, why):
     assert S.ods_refusals({param: value}) == [(param, (
@@ -75,8 +74,15 @@ def test_structured_outputs_with_async_refused():
 
 
 def test_several_refusals_in_order():
-    got = [p for p, _ in S.ods_refusals({"n": 3, "min_p": 0.1, "presence_penalty": 1.0})]
-    assert got == ["presence_penalty", "min_p", "n"]
+    got = [p for p, _ in S.ods_refusals({"min_tokens": 2, "min_p": 0.1, "presence_penalty": 1.0})]
+    assert got == ["presence_penalty", "min_p", "min_tokens"]
+
+
+@pytest.mark.parametrize("n", [2, 3, 16])
+def test_n_is_never_refused(n):
+    """vLLM fans ``n`` out into independent child requests (each ``n=1``) before a worker sees
+    them, so no device limit applies (it once was refused as "one sample per request")."""
+    assert S.ods_refusals({"n": n, "temperature": 0.8}) == []
 
 
 def test_check_async(neuron_caplog):

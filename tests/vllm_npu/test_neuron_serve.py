@@ -109,6 +109,25 @@ def test_logprobs_equal_golden_log_softmax(client, server, golden):
         logits = golden.prefill([tok], cache)[-1]
 
 
+def test_n_samples_are_served_with_on_device_sampling(client, server, golden):
+    """vLLM fans ``n`` out into child requests before the worker (it refuses ``n`` > 1 only for
+    temperature 0): with ``top_k`` 1 the three children are the golden greedy tokens; three
+    seeded samples at temperature 1 come back alike when sent again."""
+    prompt = _prompt(12, 5)
+    res = client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=1.0, top_p=1.0, n=3,
+                                    extra_body={"top_k": 1, "return_token_ids": True, "ignore_eos": True})
+    want = golden.generate_greedy(prompt, 6)
+    assert [_extra(c, "token_ids") for c in res.choices] == [want] * 3
+
+    def sampled():
+        res = client.completions.create(model=server.model, prompt=prompt, max_tokens=6, temperature=1.0, n=3,
+                                        seed=3, extra_body={"return_token_ids": True, "ignore_eos": True})
+        return sorted(tuple(_extra(c, "token_ids")) for c in res.choices)
+
+    first = sampled()
+    assert len(first) == 3 and all(len(t) == 6 for t in first) and sampled() == first
+
+
 def test_refused_parameter_is_a_400_naming_it(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=server.model, prompt="hi", max_tokens=4, presence_penalty=0.5)

@@ -84,8 +84,8 @@ def test_streamed_completion_equals_unstreamed(client, llama_server):
 def test_refused_parameter_is_a_400_naming_it(client, llama_server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=llama_server.model, prompt="hi", max_tokens=4, temperature=0.8,
-                                  logprobs=1, extra_body={"logprob_token_ids": [5, 6]})
-    assert "logprob_token_ids" in str(info.value) and "RBLN" in str(info.value)
+                                  extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in str(info.value) and "RBLN" in str(info.value)
     assert client.completions.create(model=llama_server.model, prompt="hi", max_tokens=2).choices
 
 

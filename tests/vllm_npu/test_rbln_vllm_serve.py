@@ -122,8 +122,8 @@ def test_a_prefix_hit_reads_vllms_shared_blocks(client, server, golden):
 def test_refused_parameter_is_a_400_and_no_graph_compiles_after_warm_up(client, server):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=server.model, prompt="hi", max_tokens=4,
-                                  logprobs=1, extra_body={"logprob_token_ids": [5, 6]})
-    assert "logprob_token_ids" in str(info.value) and "RBLN" in str(info.value)
+                                  extra_body={"prompt_logprobs": 1})
+    assert "prompt_logprobs" in str(info.value) and "RBLN" in str(info.value)
     # vLLM's logits processors run in the vllm path's host sampler too: +100 forces the token
     forced = client.completions.create(model=server.model, prompt="hi", max_tokens=4, temperature=0,
                                        logit_bias={"123": 100}, extra_body={"ignore_eos": True,

@@ -35,7 +35,6 @@ def test_rbln_refuses_prompt_logprobs_with_the_reason():
 @pytest.mark.parametrize(("field", "value"), [
     ("thinking_token_budget", 8),
     ("prompt_logprob_token_ids", [[1, 2]]),
-    ("logprob_token_ids", [1, 2]),
 ])
 @pytest.mark.parametrize(("platform", "error"), [(MbltPlatform, MbltRequestError), (RblnPlatform, RblnRequestError)],
                          ids=["mblt", "rbln"])
@@ -51,7 +50,7 @@ def test_unhonoured_parameters_are_named(platform, error, field, value):
 
 
 @pytest.mark.parametrize("params", [{"min_p": 0.2, "temperature": 0.8}, {"min_tokens": 3}, {"logit_bias": {5: 2.0}},
-                                    {"allowed_token_ids": [5, 6]}])
+                                    {"allowed_token_ids": [5, 6]}, {"logprobs": 1, "logprob_token_ids": [5, 6]}])
 @pytest.mark.parametrize("platform", [MbltPlatform, RblnPlatform], ids=["mblt", "rbln"])
 def test_vllm_s_logits_processors_are_served(platform, params):
     """The host sampler runs vLLM's own logits processors and allowed-token mask (their effect:

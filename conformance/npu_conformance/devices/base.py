@@ -70,11 +70,11 @@ LOGITS_PROCESSOR_REFUSALS: tuple[Refusal, ...] = (
     Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
     Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
     Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
+    Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
 )
 
 #: What every worker with host sampling still refuses (``vllm_npu._platform.refuse_unsampled``).
 HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
-    Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
     Refusal("thinking_token_budget", {"thinking_token_budget": 8}),
 )
 

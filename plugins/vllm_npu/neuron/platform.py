@@ -221,7 +221,7 @@ class NeuronPlatform(NpuPlatform):
         refused = ods_refusals(fields, async_scheduling=getattr(cls, "_async_on", False))
         if params.structured_outputs is not None and not any(p == "response_format" for p, _ in refused):
             refused.append(("response_format", "structured outputs (response_format / guided decoding: the "
-                                               "grammar bitmask is not applied by the simulated NEFFs, issue 11)"))
+                                               "guide's on-device grammar bitmask is not built yet, issue 41)"))
         if params.logprob_token_ids:
             refused.append(("logprob_token_ids", "logprob_token_ids"))
         if getattr(params, "prompt_logprob_token_ids", None) is not None:

@@ -76,12 +76,13 @@ def ods_refusals(params_fields: Mapping[str, Any], *, async_scheduling: bool = F
     """The request parameters on-device sampling cannot honour, as ``(param, text)`` pairs.
 
     Honoured (never refused): ``temperature``, ``top_k``, ``top_p``, ``seed``, ``max_tokens``,
-    ``stop`` / ``stop_token_ids``, ``ignore_eos``, ``n=1``, ``logprobs`` (returned in the raw
+    ``stop`` / ``stop_token_ids``, ``ignore_eos``, any ``n`` (vLLM fans ``n`` out into independent
+    child requests before a worker sees them), ``logprobs`` (returned in the raw
     mode the runner resolves), structured outputs (a bitmask applied on device) without async
     scheduling. Refused (our decision, documented per parameter): ``presence_penalty`` /
     ``frequency_penalty`` != 0, ``repetition_penalty`` != 1, ``min_p`` > 0, a non-empty
     ``logit_bias``, ``allowed_token_ids``, ``bad_words`` or ``logits_processors``,
-    ``min_tokens`` > 0, ``prompt_logprobs`` (not implemented here), ``n`` > 1, and
+    ``min_tokens`` > 0, ``prompt_logprobs`` (not implemented here), and
     ``structured_outputs`` (or the older ``guided_decoding``) with async scheduling. Missing
     keys count as their neutral value.
 
@@ -113,8 +114,6 @@ def ods_refusals(params_fields: Mapping[str, Any], *, async_scheduling: bool = F
         refuse("min_tokens", "EOS is not suppressed on device")
     if f.get("prompt_logprobs") is not None:
         refuse("prompt_logprobs", "not implemented")
-    if (f.get("n") or 1) > 1:
-        refuse("n", "one sample per request")
     if async_scheduling:
         for name in ("structured_outputs", "guided_decoding"):
             if _set(f.get(name)):
