@@ -66,3 +66,21 @@ def test_prompt_embeds_refused():
     with pytest.raises(MbltRequestError) as info:
         MbltPlatform.validate_request({"prompt_embeds": object()}, SamplingParams())
     assert info.value.parameter == "prompt_embeds"
+
+
+def test_neuron_cpu_sampling_refuses_grammars_with_the_guide_s_words(monkeypatch):
+    """The AWS Neuron guide: with CPU sampling the board applies no grammar mask, so structured
+    outputs (and required/named tool calls, which vLLM turns into them) are refused, not served
+    under the host's bitmask where the board would break the grammar."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    from vllm_npu.neuron.errors import NeuronRequestError
+    from vllm_npu.neuron.platform import CPU_SAMPLING_GRAMMAR_REFUSAL, NeuronPlatform
+
+    monkeypatch.setattr(NeuronPlatform, "_ods", False, raising=False)
+    with pytest.raises(NeuronRequestError) as info:
+        NeuronPlatform.validate_request({"prompt_token_ids": [1, 2]},
+                                        SamplingParams(structured_outputs=StructuredOutputsParams(choice=["a", "b"])))
+    assert info.value.parameter == "response_format" and CPU_SAMPLING_GRAMMAR_REFUSAL in str(info.value)
+    assert "logit_mask is not applied" in CPU_SAMPLING_GRAMMAR_REFUSAL
+    NeuronPlatform.validate_request({"prompt_token_ids": [1, 2]}, SamplingParams(logit_bias={5: 1.0}, min_tokens=2))

@@ -48,8 +48,13 @@ ODS_REFUSALS: tuple[Refusal, ...] = (
 #: ``vllm serve`` arguments that switch on-device sampling off (the guide's CPU sampling).
 CPU_SAMPLING_ARGS: tuple[str, ...] = (
     "--no-async-scheduling", "--additional-config", json.dumps({"neuron_config": {"on_device_sampling_config": None}}))
-#: What ``NeuronPlatform.validate_request`` refuses with CPU sampling (the host sampler's rules).
-CPU_SAMPLING_REFUSALS: tuple[Refusal, ...] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
+#: What ``NeuronPlatform.validate_request`` refuses with CPU sampling: the host sampler's rules,
+#: and structured outputs, which the guide says need on-device sampling (no logit mask without).
+CPU_SAMPLING_REFUSALS: tuple[Refusal, ...] = (
+    *PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS,
+    Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
+    Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
+)
 
 
 @dataclass

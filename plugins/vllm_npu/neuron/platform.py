@@ -108,6 +108,15 @@ def plan_inputs(vllm_config: Any, async_scheduling: bool, environ: dict[str, str
         logical_core_hbm_bytes=int(dev.hbm_bytes_per_logical_core), target=target, environ=dict(environ))
 
 
+#: Structured outputs (and ``tool_choice`` ``required`` / named, which vLLM turns into them)
+#: with CPU sampling, refused as the AWS Neuron guide describes the device (seed 002, "Tool
+#: calling", Note).
+CPU_SAMPLING_GRAMMAR_REFUSAL = (
+    "structured outputs (response_format, structured_outputs, and tool_choice \"required\" or a named tool) "
+    "need on-device sampling on Neuron: with CPU sampling the logit_mask is not applied and the model may "
+    "produce tokens that violate the grammar (the AWS Neuron guide). Leave on_device_sampling_config on.")
+
+
 class NeuronPlatform(NpuPlatform):
     """Out-of-tree platform for AWS Trainium (Trn2/Trn3) NeuronCores (module docstring)."""
 
@@ -195,7 +204,10 @@ class NeuronPlatform(NpuPlatform):
             NeuronRequestError: pooling requests, prompt embeddings, prompt logprobs, and with
                 on-device sampling every parameter beyond temperature, top_k and top_p
                 (:func:`vllm_npu.neuron.sampling.ods_refusals`); with CPU sampling what the
-                host sampler cannot honour (:func:`vllm_npu._platform.refuse_unsampled`).
+                host sampler cannot honour (:func:`vllm_npu._platform.refuse_unsampled`), and
+                structured outputs and grammar-constrained tool calls
+                (:data:`CPU_SAMPLING_GRAMMAR_REFUSAL`: the guide says the board applies no
+                grammar mask with CPU sampling).
         """
         from vllm.sampling_params import SamplingParams
 
@@ -206,6 +218,12 @@ class NeuronPlatform(NpuPlatform):
         if not ods:
             refuse_unsampled(processed_inputs, params, worker="Neuron worker (CPU sampling)", error=NeuronRequestError,
                              prompt_logprobs_reason=" (the NEFFs return the last position's logits only; issue 18)")
+            if getattr(params, "structured_outputs", None) is not None:
+                # The AWS Neuron guide (seed 002, "Tool calling", Note): "tool_choice="required" and
+                # named tool choice require on-device sampling. With CPU sampling, the logit_mask is
+                # not applied and the model may produce tokens that violate the grammar FSM." Serving
+                # it here under vLLM's host bitmask would pass where the board breaks the grammar.
+                raise NeuronRequestError(CPU_SAMPLING_GRAMMAR_REFUSAL, parameter="response_format")
             return
         if not isinstance(params, SamplingParams):
             raise NeuronRequestError("the Neuron worker serves text generation only (no pooling requests)")
