@@ -145,7 +145,8 @@ class NpuPlatform(Platform):
 
 
 def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: type[Exception],
-                     prompt_logprobs_reason: str = "", serves_prompt_logprobs: bool = False) -> None:
+                     prompt_logprobs_reason: str = "", serves_prompt_logprobs: bool = False,
+                     serves_prompt_embeds: bool = False) -> None:
     """What a device worker with host sampling (:mod:`vllm_npu.host_sampling`) cannot honour,
     refused in ``Platform.validate_request`` so that vLLM answers HTTP 400 naming it.
 
@@ -156,6 +157,8 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         prompt_logprobs_reason: appended to the prompt-logprobs refusal (why).
         serves_prompt_logprobs: the worker returns ``prompt_logprobs`` (MBLT); else they are
             refused.
+        serves_prompt_embeds: the worker takes ``prompt_embeds`` (MBLT: its MXQs take
+            embeddings from the host); else they are refused.
 
     Raises:
         error: pooling requests, prompt embeddings, prompt logprobs (unless served),
@@ -169,7 +172,8 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
 
     if not isinstance(params, SamplingParams):
         raise error(f"the {worker} serves text generation only (no pooling requests)")
-    if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+    if (not serves_prompt_embeds and isinstance(processed_inputs, dict)
+            and processed_inputs.get("prompt_embeds") is not None):
         raise error(f"the {worker} takes token prompts only: prompt_embeds is not supported",
                     parameter="prompt_embeds")
     refused: list[tuple[str, str]] = []  # (parameter, text)

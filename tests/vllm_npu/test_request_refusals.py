@@ -62,9 +62,22 @@ def test_unlimited_thinking_budget_is_not_refused():
     MbltPlatform.validate_request({"prompt_token_ids": [1]}, SamplingParams(thinking_token_budget=-1))
 
 
-def test_prompt_embeds_refused():
+def test_prompt_embeds_served_by_mblt_text_releases_and_refused_elsewhere(monkeypatch):
+    """MBLT's MXQs take embeddings from the host: a text (or MoE) release serves prompt_embeds;
+    a VLM or ASR release, whose prompt positions are also an encoder's, refuses them, and so do
+    prompt logprobs of an embeddings prompt (no token ids to score). RBLN refuses them."""
+    from vllm_npu.mblt.platform import PROMPT_EMBEDS_MM_REFUSAL
+
+    MbltPlatform.validate_request({"prompt_embeds": object()}, SamplingParams())
+    with pytest.raises(MbltRequestError) as info:
+        MbltPlatform.validate_request({"prompt_embeds": object()}, SamplingParams(prompt_logprobs=1))
+    assert info.value.parameter == "prompt_logprobs"
+    monkeypatch.setattr(MbltPlatform, "_serving_asr", True)
     with pytest.raises(MbltRequestError) as info:
         MbltPlatform.validate_request({"prompt_embeds": object()}, SamplingParams())
+    assert info.value.parameter == "prompt_embeds" and PROMPT_EMBEDS_MM_REFUSAL in str(info.value)
+    with pytest.raises(RblnRequestError) as info:
+        RblnPlatform.validate_request({"prompt_embeds": object()}, SamplingParams())
     assert info.value.parameter == "prompt_embeds"
 
 

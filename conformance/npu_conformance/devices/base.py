@@ -79,14 +79,17 @@ HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
 )
 
 
-#: ``vllm serve`` arguments of every server that samples on the host: a tool-call parser (a
-#: ``tool_choice`` ``required`` or ``auto`` request needs one; ``pythonic`` needs no special
-#: token and leaves ``required`` to vLLM's plain JSON array of calls, where ``hermes`` wraps it
-#: in its own structural tag), and xgrammar (the golden decoder's masks are xgrammar's) with
-#: JSON grammars without free whitespace (``disable_any_whitespace``): a tiny random model under
-#: vLLM's default grammar may fill ``max_tokens`` with whitespace and never close an object.
-TOOL_ARGS: tuple[str, ...] = ("--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
-                              "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
+#: ``vllm serve`` arguments of every server that samples on the host: prompt embeddings on
+#: (``--enable-prompt-embeds``: the plugin serves or refuses them, not vLLM's front end); a
+#: tool-call parser (a ``tool_choice`` ``required`` or ``auto`` request needs one; ``pythonic``
+#: needs no special token and leaves ``required`` to vLLM's plain JSON array of calls, where
+#: ``hermes`` wraps it in its own structural tag); and xgrammar (the golden decoder's masks are
+#: xgrammar's) with JSON grammars without free whitespace (``disable_any_whitespace``): a tiny
+#: random model under vLLM's default grammar may fill ``max_tokens`` with whitespace and never
+#: close an object.
+HOST_SERVING_ARGS: tuple[str, ...] = (
+    "--enable-prompt-embeds", "--enable-auto-tool-choice", "--tool-call-parser", "pythonic",
+    "--structured-outputs-config", '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -154,6 +157,9 @@ class DeviceLab:
     #: Whether its plugin scores prompt positions (``prompt_logprobs``, ``echo`` with
     #: ``logprobs``); when False, :data:`PROMPT_LOGPROBS_REFUSALS` must be among :attr:`refusals`.
     serves_prompt_logprobs: ClassVar[bool] = False
+    #: Whether its plugin takes ``prompt_embeds`` on :meth:`sampler_server` (else it refuses
+    #: them with a 400 naming ``prompt_embeds``).
+    serves_prompt_embeds: ClassVar[bool] = False
     #: Injectable faults, by kind: ``once`` (a one-off infer failure, retried invisibly) and
     #: ``persistent`` (every infer fails: requests in flight must get errors).
     FAULT_KINDS: ClassVar[tuple[str, ...]] = ("once", "persistent")

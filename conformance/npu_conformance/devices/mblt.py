@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, TOOL_ARGS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, HOST_SERVING_ARGS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 #: A Mobilint Mixture-of-Experts release directory (e.g. mobilint/Qwen3-30B-A3B) for ``mblt-hw``.
@@ -107,6 +107,7 @@ class MbltLab(DeviceLab):
     #: What ``MbltPlatform.validate_request`` refuses (``vllm_npu.mblt.platform``). ``min_p``
     #: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
     refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
+    serves_prompt_embeds: ClassVar[bool] = True  # its MXQs take embeddings from the host
     serves_prompt_logprobs: ClassVar[bool] = True  # one infer per chunk, or the seed's 1-token microsteps
     #: Whether simulated artifacts carry the Hub releases' remote-code entry (``auto_map`` and
     #: the proxy module: ``mxq compile --hub-proxy``), which vLLM needs without our plugin.
@@ -130,7 +131,7 @@ class MbltLab(DeviceLab):
         """K=4 artifact with the seed's chunk dict, ``--max-model-len 1024``; NPU tracing on
         and prefix min-hit 256 (for the MBLT prefix scenario; greedy requests do not notice)."""
         art = self.artifact(k=4, chunk=SERVING_CHUNKS)
-        return self.server(art, ["--max-model-len", str(self.max_model_len), *TOOL_ARGS], pin=True,
+        return self.server(art, ["--max-model-len", str(self.max_model_len), *HOST_SERVING_ARGS], pin=True,
                            VLLM_TORCH_PROFILER_DIR=str(self.trace_dir),
                            VLLM_MBLT_PREFIX_CACHE_AUTO_THRESHOLD="0",
                            VLLM_MBLT_PREFIX_CACHE_MIN_HIT_TOKENS="256")

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, LOGITS_PROCESSOR_REFUSALS, PROMPT_LOGPROBS_REFUSALS, TOOL_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, LOGITS_PROCESSOR_REFUSALS, PROMPT_LOGPROBS_REFUSALS, HOST_SERVING_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_NEURON_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -83,7 +83,7 @@ class NeuronLab(TinyModelLab):
         """The guide's CPU sampling (``on_device_sampling_config`` null, the MRv1 case; async
         scheduling off, which the guide's rule asks for without on-device sampling): the worker
         samples on the host with vLLM's sampler."""
-        return self.server(self.hf_dir(), [*self.serving_args(), *CPU_SAMPLING_ARGS, *TOOL_ARGS])
+        return self.server(self.hf_dir(), [*self.serving_args(), *CPU_SAMPLING_ARGS, *HOST_SERVING_ARGS])
 
     def sampler_refusals(self) -> tuple[Refusal, ...]:
         return CPU_SAMPLING_REFUSALS

@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, TOOL_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, HOST_SERVING_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -64,7 +64,7 @@ class RblnLab(TinyModelLab):
 
     def serving_server(self) -> vs.Server:
         """The standard server, which also samples on the host (with vLLM's tool-call parser)."""
-        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS, *TOOL_ARGS],
+        return self.server(self.hf_dir(), ["--max-model-len", str(self.max_model_len), *SERVING_ARGS, *HOST_SERVING_ARGS],
                            pin=True)
 
     def fault(self, kind: str) -> FaultPlan:

@@ -34,6 +34,9 @@ with the same request sent alone.
   chat API's ``response_format`` json_schema and a ``tool_choice`` ``required`` tool call are
   valid. On the server that samples on the host; a 400 naming ``response_format`` where the
   lab's plugin refuses them. Figures: answers, compared with the golden decoder.
+* ``prompt_embeds``: a prompt sent as its token embeddings decodes the same greedy tokens as
+  the prompt sent as ids and as the golden decoder where the lab's plugin takes embeddings
+  (MBLT); elsewhere a 400 naming ``prompt_embeds``. Figures: prompts compared, or refused.
 * ``prompt_logprobs``: lm-eval's loglikelihood request (``echo`` with ``logprobs``) and
   ``prompt_logprobs``. A target whose lab serves them scores every prompt position: equal to the
   golden decoder's log-softmax within :data:`PROMPT_LOGPROBS_TOLERANCE` on a simulator, equal to
@@ -521,7 +524,7 @@ def test_structured_outputs(target, record, device_labs):
     if lab.golden() is not None:
         from npu_conformance.grammar_golden import GrammarGolden
 
-        golden = GrammarGolden(lab.golden(), server.model, any_whitespace=False)  # the servers' TOOL_ARGS
+        golden = GrammarGolden(lab.golden(), server.model, any_whitespace=False)  # the servers' HOST_SERVING_ARGS
     prompts = _prompts(2, 16, seed=41)
     compared = 0
     for kind, spec, ok_text in STRUCTURED:
@@ -556,6 +559,60 @@ def test_structured_outputs(target, record, device_labs):
         assert _json_or_none(calls[0]["function"]["arguments"]) in ({"city": c} for c in ("Paris", "Oslo", "Lima")), calls
     record.figure("structured_answers", len(STRUCTURED) * len(prompts) + 3)
     record.figure("structured_compared_to_golden", compared)
+
+
+# ----------------------------------------------------------------------------- prompt embeddings
+
+EMBEDS_TOKENS = 8
+
+
+def _embeds_b64(rows: np.ndarray) -> str:
+    """vLLM's ``prompt_embeds`` field: base64 of ``torch.save`` of a ``[T, hidden]`` tensor."""
+    import base64
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(torch.from_numpy(np.ascontiguousarray(rows, dtype=np.float32)), buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_prompt_embeds(target, record, device_labs):
+    """``prompt_embeds`` (the servers run with ``--enable-prompt-embeds``): a prompt sent as its
+    token embeddings (the golden decoder's table) decodes the same greedy tokens as the prompt
+    sent as ids, and as the golden decoder, where the lab's plugin takes embeddings
+    (``DeviceLab.serves_prompt_embeds``: MBLT, whose MXQs take embeddings from the host); elsewhere
+    a 400 naming ``prompt_embeds``."""
+    lab = _lab(device_labs, target)
+    golden = lab.golden()
+    if golden is None:
+        pytest.skip("the embeddings sent are the golden decoder's table rows: simulator targets only")
+    server = lab.sampler_server()
+    body = {"model": server.model, "max_tokens": EMBEDS_TOKENS, "temperature": 0.0, "ignore_eos": True,
+            "return_token_ids": True}
+    if not lab.serves_prompt_embeds:
+        rows = np.asarray(golden.embed(_prompts(1, 8, seed=52)[0]), np.float32)
+        status, message = _send(server, "completions", dict(body, prompt_embeds=_embeds_b64(rows)), "application/json")
+        assert status == 400 and "prompt_embeds" in message, (status, message)
+        record.figure("prompt_embeds_refused", 1)
+        return
+    compared = 0
+    for prompt in _prompts(2, 20, seed=51):
+        rows = np.asarray(golden.embed(prompt), np.float32)
+        got = _ok(server.request("POST", "/v1/completions", dict(body, prompt_embeds=_embeds_b64(rows))))
+        ids = list(got["choices"][0]["token_ids"])
+        assert ids == _plain(server, prompt, EMBEDS_TOKENS, ignore_eos=True).token_ids, "embeddings != token ids"
+        assert ids == _golden_ids(lab, prompt, EMBEDS_TOKENS), "embeddings != golden decoder"
+        compared += 1
+    # embeddings that are no token's: the golden decoder run on the same embeddings
+    rows = np.asarray(golden.embed(_prompts(1, 12, seed=53)[0]), np.float32)
+    rows = rows * 0.5 + np.random.default_rng(54).normal(0.0, float(rows.std()), rows.shape).astype(np.float32)
+    got = _ok(server.request("POST", "/v1/completions", dict(body, prompt_embeds=_embeds_b64(rows))))
+    cache = golden.new_cache(len(rows) + EMBEDS_TOKENS)
+    want = golden.continue_greedy(golden.forward_embeddings(rows, cache), cache, EMBEDS_TOKENS, set())
+    assert list(got["choices"][0]["token_ids"]) == [int(t) for t in want], "free embeddings != golden decoder"
+    record.figure("prompt_embeds_compared", compared + 1)
 
 
 # ----------------------------------------------------------------------------- prompt logprobs

@@ -177,6 +177,9 @@ def _eagle3_rules(artifact: dict[str, Any], overrides: Any) -> None:
             raise settings.MbltConfigError(eagle3_backend.BATCH_REFUSAL.format(n=value))
 
 
+#: Prompt embeddings on a release whose prompt positions are also an encoder's (images, audio).
+PROMPT_EMBEDS_MM_REFUSAL = ("prompt_embeds are served for text (and MoE) releases; this release places its "
+                            "vision or audio encoder's embeddings in the prompt, so send token ids")
 EAGLE3_PREFIX_CACHE_OFF = "Disabling prefix caching for EAGLE-3: every request feeds its whole prompt."
 EAGLE3_REQUEST_REFUSAL = "EAGLE-3 models sample with temperature, top_k and top_p only; unsupported here: {names}."
 EAGLE3_PROMPT_REFUSAL = "EAGLE-3 models take token prompts only, without prompt embeddings or multimodal data."
@@ -379,6 +382,7 @@ class MbltPlatform(NpuPlatform):
         from vllm_npu.mblt.asr import is_asr_release
 
         asr = is_asr_release(artifact)
+        cls._serving_asr = asr
         if asr:
             _asr_rules(vllm_config)
         from vllm_npu.mblt.vlm import is_vlm_release, vlm_family
@@ -449,6 +453,7 @@ class MbltPlatform(NpuPlatform):
     _serving_eagle3 = False
     #: ``(family, several images and videos per request)`` of the VLM release this process configured, else None.
     _serving_vlm: tuple[str, bool] | None = None
+    _serving_asr = False
     #: The image position of each session of a static VLM release (:meth:`_validate_vlm`).
     _vlm_sessions: Any = None
 
@@ -481,17 +486,23 @@ class MbltPlatform(NpuPlatform):
         refused, named, and so are prompt embeddings and multimodal data.
 
         Raises:
-            MbltRequestError: pooling requests, prompt embeddings, structured outputs,
-                ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids``,
-                ``logprob_token_ids``, ``prompt_logprob_token_ids`` or
-                ``thinking_token_budget`` (each named). Prompt logprobs are served
-                (:mod:`vllm_npu.mblt.prompt_logprobs`).
+            MbltRequestError: pooling requests, ``prompt_logprob_token_ids`` or
+                ``thinking_token_budget`` (each named), prompt embeddings for a VLM or ASR
+                release (:data:`PROMPT_EMBEDS_MM_REFUSAL`). Prompt logprobs
+                (:mod:`vllm_npu.mblt.prompt_logprobs`) and prompt embeddings of a text or MoE
+                release (the MXQ takes embeddings from the host) are served.
         """
         if cls._eagle3_engine():
             cls._validate_eagle3(processed_inputs, params)
             return
+        if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+            if cls._serving_vlm is not None or cls._serving_asr:
+                raise MbltRequestError(PROMPT_EMBEDS_MM_REFUSAL, parameter="prompt_embeds")
+            if getattr(params, "prompt_logprobs", None) is not None:
+                raise MbltRequestError("prompt_logprobs score a prompt's token ids, and a prompt sent as "
+                                       "prompt_embeds has none", parameter="prompt_logprobs")
         refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError,
-                         serves_prompt_logprobs=True)
+                         serves_prompt_logprobs=True, serves_prompt_embeds=True)
         if cls._serving_vlm is not None:
             cls._validate_vlm(processed_inputs, params)
 

@@ -128,6 +128,9 @@ class _Req:
     covered_until: int = 0
     #: the prompt's ids for KV bookkeeping: audio positions hold negative clip-derived ids
     key_prompt_ids: list[int] | None = None
+    #: the prompt's ids the sampler's penalties read, when some are placeholders (prompt
+    #: embeddings: the vocabulary size, vLLM's padding id)
+    penalty_prompt_ids: list[int] | None = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -626,10 +629,13 @@ class MbltWorker(NpuWorker):
         params = new.sampling_params
         gen = request_generator(params)
         vslot = self._assign_vslot(new.req_id)
+        embeds = getattr(new, "prompt_embeds", None)
         st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
                   RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"), vslot, gen)
         st.num_computed = new.num_computed_tokens
-        if self.vlm is not None:
+        if embeds is not None:
+            self._add_prompt_embeds(st, embeds, getattr(new, "prompt_is_token_ids", None))
+        elif self.vlm is not None:
             self._add_vision(st, new.mm_features or [], new.num_computed_tokens)
         elif new.mm_features:
             self._add_audio(st, new.mm_features)
@@ -645,6 +651,43 @@ class MbltWorker(NpuWorker):
                 self._microstep_warned = True
                 logger.warning(MICROSTEP_WARNING)
         self.reqs[new.req_id] = st
+
+    def _add_prompt_embeds(self, st: _Req, embeds: Any, is_token: list[bool] | None) -> None:
+        """A request with ``prompt_embeds`` ``[T, hidden]`` (``--enable-prompt-embeds``): the MXQ
+        takes embeddings from the host, so they replace the token embeddings at their positions
+        (all of them, or where ``is_token`` is False in a mixed prompt). Their positions get
+        content-derived ids for the KV bookkeeping (a prefix snapshot is reused only for the same
+        embeddings) and stand as padding (the vocabulary size) among the prompt ids the sampler's
+        penalties read.
+
+        Raises:
+            MbltWorkerError: a VLM or ASR release (the platform refuses these first), embeddings
+                whose width is not the model's hidden size, or a length that is not the prompt's.
+        """
+        assert self.backend is not None
+        if self.vlm is not None or self.audio is not None:
+            raise MbltWorkerError(f"req_id={st.req_id}: prompt_embeds on a release that places encoder embeddings")
+        rows = np.asarray(embeds.detach().to("cpu").float().numpy() if hasattr(embeds, "detach") else embeds,
+                          dtype=np.float32)
+        hidden = self.backend.hidden_size
+        if rows.ndim != 2 or rows.shape[1] != hidden:
+            raise MbltWorkerError(f"req_id={st.req_id}: prompt_embeds of shape {tuple(rows.shape)}, expected "
+                                  f"[tokens, {hidden}]")
+        n = rows.shape[0]
+        if not st.prompt_ids:
+            st.prompt_ids = [0] * n  # vLLM's placeholder ids of an embeddings-only prompt
+        if len(st.prompt_ids) != n:
+            raise MbltWorkerError(f"req_id={st.req_id}: {n} prompt_embeds rows for a {len(st.prompt_ids)}-token prompt")
+        mask = np.ones(n, bool) if is_token is None else ~np.asarray(is_token, bool)
+        st.prompt_ids = [0 if m else int(t) for t, m in zip(st.prompt_ids, mask)]
+        st.mm_pos = np.flatnonzero(mask)
+        st.mm_rows = rows[st.mm_pos]
+        keys = list(st.prompt_ids)
+        digest = hashlib.blake2b(rows.tobytes(), digest_size=16).hexdigest()
+        for p, k in zip(st.mm_pos.tolist(), audio_key_ids(f"prompt_embeds:{digest}", int(st.mm_pos.size))):
+            keys[p] = k
+        st.key_prompt_ids = keys
+        st.penalty_prompt_ids = [self.backend.vocab_size if m else t for t, m in zip(st.prompt_ids, mask)]
 
     def _add_audio(self, st: _Req, mm_features: list) -> None:
         """Encode a new request's audio clips (:func:`vllm_npu.mblt.asr.feature_rows`) and give
@@ -858,8 +901,8 @@ class MbltWorker(NpuWorker):
         assert self.sampler is not None and self.outputs is not None
         return self.outputs.emit(StepSample(
             so, order, rows=to_sample, logits=np.stack([logits[i] for i in to_sample]) if to_sample else None,
-            reqs=[SampleRequest(work[i][0].params, work[i][0].prompt_ids, work[i][0].output_ids, work[i][0].generator)
-                  for i in to_sample],
+            reqs=[SampleRequest(work[i][0].params, work[i][0].penalty_prompt_ids or work[i][0].prompt_ids,
+                                work[i][0].output_ids, work[i][0].generator) for i in to_sample],
             outputs=[work[i][0].output_ids for i in to_sample], prompt_logprobs=prompt_logprobs))
 
     def _infer(self, rows: list[Row]) -> list[np.ndarray]:
