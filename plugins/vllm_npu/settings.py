@@ -35,6 +35,12 @@ OFF_WORDS: tuple[str, ...] = ("0", "false", "no", "off")
 _D = TypeVar("_D")
 
 
+def _set_value(name: str, environ: Mapping[str, str] | None) -> str | None:
+    """Variable ``name`` of ``environ`` (default ``os.environ``); None when unset or blank."""
+    raw = (os.environ if environ is None else environ).get(name)
+    return None if raw is None or not raw.strip() else raw
+
+
 class SettingError(ValueError):
     """A setting whose value breaks its rule; the message names the setting, the value and the
     rule (the default ``error=`` of every reader here)."""
@@ -104,8 +110,8 @@ def env_switch(name: str, *, default: _D, environ: Mapping[str, str] | None = No
     Raises:
         error: a value that is not one of ``words`` (see :func:`parse_switch`).
     """
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or not raw.strip():
+    raw = _set_value(name, environ)
+    if raw is None:
         return default
     return parse_switch(raw, name=name, words=words, error=error)
 
@@ -150,8 +156,8 @@ def env_int(name: str, *, default: _D, minimum: int | None = None, maximum: int 
     Raises:
         error: see :func:`parse_int`.
     """
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or not raw.strip():
+    raw = _set_value(name, environ)
+    if raw is None:
         return default
     return parse_int(raw, name=name, minimum=minimum, maximum=maximum, error=error)
 
@@ -184,7 +190,7 @@ def env_json(name: str, *, default: _D, kind: type | None = None,
     Raises:
         error: see :func:`parse_json`.
     """
-    raw = (os.environ if environ is None else environ).get(name)
-    if raw is None or not raw.strip():
+    raw = _set_value(name, environ)
+    if raw is None:
         return default
     return parse_json(raw, name=name, kind=kind, error=error)
