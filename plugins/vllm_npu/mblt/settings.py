@@ -26,8 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
 
-from vllm_npu.settings import parse_int as _parse_int, parse_json, parse_switch
 from vllm_npu.mblt.placement import CORE_MODES, topology_for  # one list of core modes, one Aries
+from vllm_npu.settings import parse_int as _parse_int
+from vllm_npu.settings import parse_json, parse_switch
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 

@@ -78,9 +78,9 @@ from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.vlm import is_vlm_release
 from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, SampleRequest, penalties_enabled
-from vllm_npu.step_output import StepOutputs, StepSample
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
+from vllm_npu.step_output import StepOutputs, StepSample
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 

@@ -22,8 +22,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_npu.settings import parse_switch
 from vllm_npu.neuron.buckets import BucketConfigError, check_bucket_list
+from vllm_npu.settings import parse_switch
 
 __all__ = ["NeuronConfigError", "OnDeviceSamplingConfig", "EncoderNeuronConfig", "NeuronConfig",
            "COMPONENT_DP_FIELDS", "DEFAULT_MAX_TOP_K"]

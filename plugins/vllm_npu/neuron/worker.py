@@ -40,8 +40,8 @@ import numpy as np
 import torch
 
 from vllm_npu._worker import NpuWorker
-from vllm_npu.neuron import compile_cache as cc
 from vllm_npu.device_retry import DeviceRetry
+from vllm_npu.neuron import compile_cache as cc
 from vllm_npu.neuron.errors import NeuronDeviceError, NeuronWorkerError
 from vllm_npu.neuron.runtime import compiler_of, load_runtime
 
@@ -386,6 +386,7 @@ class NeuronWorker(NpuWorker):
         return neff
 
     def _count_retry(self) -> None:
+        """Count one NEFF execution retried (``stats["retries"]``)."""
         self.stats["retries"] += 1
 
     def _run(self, name: str, label: str, what: str, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

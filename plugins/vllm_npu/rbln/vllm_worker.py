@@ -35,14 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_npu.host_sampling import HostSampler
-from vllm_npu.step_output import StepOutputs
-from vllm_npu.rbln.attention import RblnAttentionMetadata
-from vllm_npu.rbln.sequences import SequenceTable, StepPlan
-from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
-from vllm_npu.rbln.runtime import load_rebel
 from vllm_npu.device_retry import DeviceRetry
+from vllm_npu.host_sampling import HostSampler
+from vllm_npu.rbln.attention import RblnAttentionMetadata
+from vllm_npu.rbln.runtime import load_rebel
+from vllm_npu.rbln.sequences import SequenceTable, StepPlan
 from vllm_npu.rbln.worker import DEVICE_RETRY, PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError
+from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
+from vllm_npu.step_output import StepOutputs
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 

@@ -31,10 +31,10 @@ import torch
 from vllm_npu._worker import NpuWorker
 from vllm_npu.device_retry import DeviceRetry
 from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator
-from vllm_npu.step_output import StepOutputs, StepSample
 from vllm_npu.rbln import compile_plan as cp
 from vllm_npu.rbln.runtime import load_rebel, model_class
 from vllm_npu.rbln.sequences import SequenceTable, StepPlan
+from vllm_npu.step_output import StepOutputs, StepSample
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
