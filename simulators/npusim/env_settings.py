@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-__all__ = ["EnvParseCache", "FaultSchedule", "check_keys", "json_object", "parse_fault"]
+__all__ = ["EnvParseCache", "FaultSchedule", "check_keys", "is_int", "json_object", "parse_fault"]
 
 _T = TypeVar("_T")
 _K = TypeVar("_K")
@@ -79,7 +79,8 @@ class FaultSchedule:
         return call > self.after_calls and (self.times is None or call <= self.after_calls + self.times)
 
 
-def _is_int(v: object) -> bool:
+def is_int(v: object) -> bool:
+    """Whether ``v`` is a JSON integer (an int, not a bool)."""
     return isinstance(v, int) and not isinstance(v, bool)
 
 
@@ -96,9 +97,9 @@ def parse_fault(value: object, *, source: str, error: type[Exception] = ValueErr
     if not isinstance(value, dict) or set(value) - {"after_calls", "times"}:
         raise error(f'{source} must be {{"after_calls": N, "times": k|null}}, got {value!r}')
     after, times = value.get("after_calls", 0), value.get("times", 1)
-    if not _is_int(after) or after < 0:
+    if not is_int(after) or after < 0:
         raise error(f"{source}.after_calls must be an integer >= 0, got {after!r}")
-    if times is not None and (not _is_int(times) or times < 1):
+    if times is not None and (not is_int(times) or times < 1):
         raise error(f"{source}.times must be an integer >= 1 or null, got {times!r}")
     return FaultSchedule(after, times)
 

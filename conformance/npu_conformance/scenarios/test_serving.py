@@ -136,11 +136,16 @@ def _greedy_body(server: vs.Server, n: int, **fields: Any) -> dict:
             "return_token_ids": True, **fields}
 
 
-def _completion(server: vs.Server, prompt: str | list[int], n: int = GREEDY_TOKENS) -> Answer:
-    body = _ok(server.request("POST", "/v1/completions", _greedy_body(server, n, prompt=prompt)))
+def _plain(server: vs.Server, prompt: str | list[int], n: int, **fields: Any) -> Answer:
+    """A greedy completion of ``n`` tokens with ``fields`` (``ignore_eos`` off unless given)."""
+    body = _ok(server.request("POST", "/v1/completions",
+                              _greedy_body(server, n, prompt=prompt, **{"ignore_eos": False, **fields})))
     choice = body["choices"][0]
-    return Answer(choice["text"], list(choice["token_ids"]), list(choice["prompt_token_ids"]),
-                  choice["finish_reason"])
+    return Answer(choice["text"], list(choice["token_ids"]), list(choice["prompt_token_ids"]), choice["finish_reason"])
+
+
+def _completion(server: vs.Server, prompt: str | list[int], n: int = GREEDY_TOKENS) -> Answer:
+    return _plain(server, prompt, n, ignore_eos=True)
 
 
 def _chat(server: vs.Server, messages: list[dict], n: int = GREEDY_TOKENS) -> Answer:
@@ -421,13 +426,6 @@ ALLOWED_TOKENS = (321, 322, 323)
 MIN_TOKENS = 5
 
 
-def _plain(server: vs.Server, prompt: list[int], n: int, **fields: Any) -> Answer:
-    body = _ok(server.request("POST", "/v1/completions", {"model": server.model, "prompt": prompt, "max_tokens": n,
-                                                          "temperature": 0.0, "return_token_ids": True, **fields}))
-    choice = body["choices"][0]
-    return Answer(choice["text"], list(choice["token_ids"]), list(choice["prompt_token_ids"]), choice["finish_reason"])
-
-
 def test_logits_processors(target, record, device_labs):
     """``logit_bias``, ``min_tokens``, ``allowed_token_ids`` and ``min_p`` take effect on the
     server that samples on the host (vLLM's own logits processors and mask), each with a request
@@ -500,8 +498,16 @@ def _json_or_none(text: str) -> Any:
         return None
 
 
-def _without_stop(ids: list[int], stops: set[int]) -> list[int]:
-    return ids[:-1] if ids and ids[-1] in stops else ids
+def _check_golden_grammar(golden: Any, prompt_ids: list[int], spec: dict[str, Any], got: list[int], what: str) -> None:
+    """``got`` equals the golden decoder's greedy tokens under ``spec``'s xgrammar mask (a final
+    stop token on either side not compared)."""
+    want = golden.greedy(prompt_ids, spec, STRUCTURED_TOKENS)
+    stops = set(golden.info.stop_token_ids)
+
+    def without_stop(ids: list[int]) -> list[int]:
+        return ids[:-1] if ids and ids[-1] in stops else ids
+
+    assert without_stop(got) == without_stop(want), f"{what}: {got} != golden {want}"
 
 
 def test_structured_outputs(target, record, device_labs):
@@ -532,9 +538,7 @@ def test_structured_outputs(target, record, device_labs):
             a = _plain(server, prompt, STRUCTURED_TOKENS, structured_outputs=spec)
             assert a.finish_reason == "stop" and ok_text(a.text), f"{kind}: {a}"
             if golden is not None:
-                want = golden.greedy(a.prompt_token_ids, spec, STRUCTURED_TOKENS)
-                stops = set(golden.info.stop_token_ids)
-                assert _without_stop(a.token_ids, stops) == _without_stop(want, stops), f"{kind}: {a.token_ids} != {want}"
+                _check_golden_grammar(golden, a.prompt_token_ids, spec, a.token_ids, kind)
                 compared += 1
     # the OpenAI forms on the chat API: response_format json_schema, and tool calls (required, named)
     schema = STRUCTURED[2][1]["json"]
@@ -545,9 +549,8 @@ def test_structured_outputs(target, record, device_labs):
     choice = chat["choices"][0]
     assert choice["finish_reason"] == "stop" and STRUCTURED[2][2](choice["message"]["content"]), chat
     if golden is not None:
-        want = golden.greedy(chat["prompt_token_ids"], {"json": schema}, STRUCTURED_TOKENS)
-        stops = set(golden.info.stop_token_ids)
-        assert _without_stop(list(choice["token_ids"]), stops) == _without_stop(want, stops), (choice, want)
+        _check_golden_grammar(golden, chat["prompt_token_ids"], {"json": schema}, list(choice["token_ids"]),
+                              "response_format")
         compared += 1
     for tool_choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
         tool = _ok(server.request("POST", "/v1/chat/completions", {

@@ -35,7 +35,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from vllm_npu.settings import env_switch
+from vllm_npu.settings import parse_switch
 
 __all__ = ["ENV_VAR", "V2_LOG_LINE", "RAW_LOGPROBS_MODES", "RunnerInputs", "RunnerChoice",
            "parse_v2_env", "select_runner", "model_kind_blockers", "dense_feature_blockers"]
@@ -52,14 +52,14 @@ RAW_LOGPROBS_MODES: frozenset[str] = frozenset({"raw_logprobs", "raw_logits"})
 
 def parse_v2_env(value: str | None) -> bool | None:
     """``VLLM_USE_V2_MODEL_RUNNER`` -> None (unset or blank), False (off) or True (on): a
-    switch (:func:`vllm_npu.settings.env_switch`, ``0 false no off`` / ``1 true yes on``, the
+    switch (:func:`vllm_npu.settings.parse_switch`, ``0 false no off`` / ``1 true yes on``, the
     reference's truthy words).
 
     Raises:
         SettingError: any other value (a ValueError naming the variable, the value and the
             accepted words).
     """
-    return env_switch(ENV_VAR, default=None, environ={} if value is None else {ENV_VAR: value})
+    return None if value is None or not value.strip() else parse_switch(value, name=ENV_VAR)
 
 
 @dataclass(frozen=True)

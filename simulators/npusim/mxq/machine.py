@@ -61,7 +61,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-from ..env_settings import check_keys, json_object
+from ..env_settings import check_keys, is_int, json_object
 from .errors import STATUS_CODES
 from .types import Cluster, Core, CoreId, core_key
 
@@ -129,10 +129,6 @@ _COSTS = ("infer_fixed_us", "infer_us_per_token", "io_fixed_us", "dump_us_per_ki
           "expert_finish_jitter_us")
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def _is_cost(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0
 
@@ -156,7 +152,7 @@ def _check(values: dict[str, Any], source: str) -> dict[str, Any]:
     """
     check_keys(source, values, _FIELDS)
     for name, v in values.items():
-        if name == "devices" and not (_is_int(v) and v >= 0):
+        if name == "devices" and not (is_int(v) and v >= 0):
             raise ValueError(f"{source}: devices={v!r} must be an integer >= 0")
         elif name == "device_memory_mib" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
             raise ValueError(f"{source}: device_memory_mib={v!r} must be a number > 0")
@@ -166,11 +162,11 @@ def _check(values: dict[str, Any], source: str) -> dict[str, Any]:
             _check_infer_costs(v, source)
         elif name in ("pace", "no_device") and not isinstance(v, bool):
             raise ValueError(f"{source}: {name}={v!r} must be true or false")
-        elif name == "bad_alloc_at_launch" and not (v is None or (_is_int(v) and v >= 1)):
+        elif name == "bad_alloc_at_launch" and not (v is None or (is_int(v) and v >= 1)):
             raise ValueError(f"{source}: bad_alloc_at_launch={v!r} must be null or an integer >= 1")
-        elif name == "infer_fail_after" and not (v is None or (_is_int(v) and v >= 0)):
+        elif name == "infer_fail_after" and not (v is None or (is_int(v) and v >= 0)):
             raise ValueError(f"{source}: infer_fail_after={v!r} must be null or an integer >= 0")
-        elif name == "infer_fail_times" and not (_is_int(v) and v >= 1):
+        elif name == "infer_fail_times" and not (is_int(v) and v >= 1):
             raise ValueError(f"{source}: infer_fail_times={v!r} must be an integer >= 1")
         elif name == "infer_fail_status" and v not in STATUS_CODES:
             raise ValueError(f"{source}: infer_fail_status={v!r} must be one of {', '.join(STATUS_CODES)}")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ..env_settings import EnvParseCache, FaultSchedule, json_object, parse_fault
+from ..env_settings import EnvParseCache, FaultSchedule, is_int, json_object, parse_fault
 from .errors import NeffConfigError
 
 __all__ = ["ENV_VAR", "TARGETS", "Settings", "settings", "parse"]
@@ -42,10 +42,6 @@ class Settings:
     fault: FaultSchedule | None = None
 
 
-def _is_int(v: object) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 def parse(raw: str | None) -> Settings:
     """Parse one value of ``$NPUSIM_NEFF`` (None or blank: defaults).
 
@@ -57,7 +53,7 @@ def parse(raw: str | None) -> Settings:
     if target is not None and target not in TARGETS:
         raise NeffConfigError(f"{ENV_VAR}: target must be one of {list(TARGETS)}, got {target!r}")
     chips = values.get("chips", 1)
-    if not _is_int(chips) or chips < 1:
+    if not is_int(chips) or chips < 1:
         raise NeffConfigError(f"{ENV_VAR}: chips must be an integer >= 1, got {chips!r}")
     hbm = values.get("hbm_gib_per_core")
     if hbm is not None and (isinstance(hbm, bool) or not isinstance(hbm, (int, float)) or not hbm > 0):
