@@ -179,3 +179,41 @@ def test_logprob_token_ids_are_the_named_tokens_raw_logprobs():
     ref = x - (np.log(np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True)) + x.max(1, keepdims=True))
     assert list(lists.logprob_token_ids[0][:3]) == [toks[0], 5, 6]  # the sampled token, then the named ones
     assert np.allclose(lists.logprobs[0][:3], ref[0, [toks[0], 5, 6]], atol=1e-5)
+
+
+class _ForceSeven:
+    """A custom logits processor (vLLM's interface) that forces token 7 on every row."""
+
+    def __init__(self, vllm_config, device, is_pin_memory):
+        self.rows = 0
+
+    @classmethod
+    def validate_params(cls, sampling_params):
+        return None
+
+    def is_argmax_invariant(self) -> bool:
+        return False
+
+    def update_state(self, batch_update):
+        if batch_update is not None:
+            self.rows = batch_update.batch_size
+
+    def apply(self, logits):
+        logits[: self.rows, 7] += 1000.0
+        return logits
+
+
+def test_the_server_s_logits_processors_join_vllm_s_built_ins():
+    """``--logits-processors`` (``model_config.logits_processors``) takes effect: the sampler
+    builds it with vLLM's own ones and tells it each step's rows."""
+    from types import SimpleNamespace
+
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    custom = type("ForceSeven", (_ForceSeven, LogitsProcessor), {})
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=4), speculative_config=None,
+                             model_config=SimpleNamespace(logits_processors=[custom], logprobs_mode="raw_logprobs"))
+    logits = np.zeros((2, VOCAB), np.float32)
+    logits[:, 9] = 1.0
+    assert HostSampler(VOCAB, vllm_config=config).sample(logits, [_req(), _req()])[0] == [7, 7]
+    assert HostSampler(VOCAB).sample(logits, [_req(), _req()])[0] == [9, 9]
