@@ -2,7 +2,8 @@
 
 The model runs on the device through the vendor runtime, so the worker has no host
 attention backend, no torch model, no compilation and no LoRA. vLLM still asks; these are
-the answers (the device worker subclasses this and adds its lifecycle and ``execute_model``).
+the answers. A step is the one step engine's (:class:`vllm_npu.step_engine.StepEngine`, set as
+``self.engine`` by the device worker, which adds its lifecycle and its device runner).
 """
 
 from __future__ import annotations
@@ -34,6 +35,18 @@ class NpuWorker(WorkerBase):
         if not isinstance(plan, dict):
             raise error(f"the {platform} platform handed the worker no plan (additional_config[{key!r}])")
         return plan
+
+    #: The step engine (the device worker builds it when it loads its model).
+    engine: Any = None
+
+    def execute_model(self, scheduler_output: Any):
+        """One step (:meth:`vllm_npu.step_engine.StepEngine.execute`)."""
+        return self.engine.execute(scheduler_output)
+
+    def sample_tokens(self, grammar_output: Any):
+        """The step ``execute_model`` left for vLLM's grammar bitmask
+        (:meth:`vllm_npu.step_engine.StepEngine.sample_tokens`)."""
+        return self.engine.sample_tokens(grammar_output)
 
     def get_supported_kv_cache_layouts(self) -> list[str]:
         """No host attention backend exists (the KV lives on the device), so every layout

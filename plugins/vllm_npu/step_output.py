@@ -10,6 +10,10 @@ backend's mask, -inf on every token the grammar forbids) before the host sampler
 
 Each sampled token is appended to the request record's output ids (the list the worker passed),
 and the output carries the sampled ids, the logprobs and any prompt logprobs of the step.
+
+A device that samples itself (Neuron's on-device sampling, MBLT's EAGLE-3 rounds) returns its
+tokens instead; :func:`device_tokens_output` appends them and reports the raw logprobs of the
+device's logits to the requests that asked.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import numpy as np
 
 from vllm_npu.host_sampling import HostSampler, SampleRequest, scatter_logprobs
 
-__all__ = ["StepOutputs", "StepSample", "needs_grammar"]
+__all__ = ["StepOutputs", "StepSample", "needs_grammar", "device_tokens_output", "raw_logprobs"]
 
 
 @dataclass
@@ -114,3 +118,65 @@ class StepOutputs:
         return ModelRunnerOutput(req_ids=list(step.order), req_id_to_index={rid: i for i, rid in enumerate(step.order)},
                                  sampled_token_ids=sampled, logprobs=logprobs,
                                  prompt_logprobs_dict=dict(step.prompt_logprobs))
+
+
+def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any):
+    """The ``ModelRunnerOutput`` of a step whose device chose the tokens.
+
+    Args:
+        plan: the step's :class:`vllm_npu.step_engine.StepPlan`.
+        sampling: its sampling rows (``plan.sampling``).
+        result: the device's :class:`vllm_npu.step_engine.StepResult`; ``result.tokens[k]`` are
+            row ``k``'s tokens (appended to its record's outputs); with ``result.logits`` the
+            rows that asked for logprobs get the raw logprobs of their (single) token.
+
+    Raises:
+        RuntimeError: a token list per sampling row is missing.
+    """
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    order = plan.order
+    index = {rid: i for i, rid in enumerate(order)}
+    tokens = list(result.tokens or ())
+    if len(tokens) != len(sampling):
+        raise RuntimeError(f"the device returned tokens for {len(tokens)} of {len(sampling)} sampling requests")
+    sampled: list[list[int]] = [[] for _ in order]
+    for row, toks in zip(sampling, tokens):
+        toks = [int(t) for t in toks]
+        sampled[index[row.req.req_id]] = toks
+        row.req.output_ids.extend(toks)
+    logprobs = None
+    if result.logits is not None and sampling:
+        logprobs = raw_logprobs(result.logits, [r.req.params for r in sampling], [t[0] for t in tokens],
+                                [index[r.req.req_id] for r in sampling], len(order))
+    return ModelRunnerOutput(req_ids=list(order), req_id_to_index=index, sampled_token_ids=sampled,
+                             logprobs=logprobs, prompt_logprobs_dict=dict(result.prompt_logprobs))
+
+
+def raw_logprobs(logits: np.ndarray, params: Sequence[Any], toks: Sequence[int], where: Sequence[int],
+                 num_reqs: int):
+    """vLLM's ``LogprobsLists`` of a device-sampled step: the raw logprobs of each row's
+    ``logits`` (float64 log-softmax), its token first, then the top ``k`` (descending, lowest id
+    first on ties), for the rows whose ``params`` asked; row ``r`` is request ``where[r]`` of
+    ``num_reqs``. None when no row asked."""
+    from vllm_npu.host_sampling import num_logprobs
+
+    vocab = logits.shape[1]
+    want = [n for p in params if (n := num_logprobs(p, vocab)) is not None]
+    if not want:
+        return None
+    from vllm.v1.outputs import LogprobsLists
+
+    k = max(want)
+    x = logits.astype(np.float64)
+    lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
+    lp = (x - lse[:, None]).astype(np.float32)
+    ids = np.zeros((num_reqs, k + 1), np.int64)
+    vals = np.zeros((num_reqs, k + 1), np.float32)
+    ranks = np.zeros((num_reqs,), np.int64)
+    for r, (tok, i) in enumerate(zip(toks, where)):
+        top = np.lexsort((np.arange(vocab), -lp[r]))
+        ids[i, 0], vals[i, 0] = tok, lp[r, tok]
+        ids[i, 1:], vals[i, 1:] = top[:k], lp[r, top[:k]]
+        ranks[i] = int((lp[r] > lp[r, tok]).sum()) + 1
+    return LogprobsLists(ids, vals, ranks, None)

@@ -7,11 +7,8 @@ No fake runtime: the worker is built from a real ``VllmConfig`` (``EngineArgs(..
 ``npusim.mxq.compile.compile_artifact`` from a ``npusim.tinymodel`` checkpoint, and every
 output is compared with the golden ``npusim.llm.Decoder.generate_greedy``.
 
-:class:`Driver` plays vLLM 0.32's scheduler: it chunks prompts by a per-request token budget,
-sends ``NewRequestData`` the first time a request is scheduled and ``CachedRequestData``
-afterwards (``all_token_ids`` for requests not scheduled in the previous step, as vLLM does),
-advances ``num_computed_tokens`` after each step, feeds back sampled tokens, reports finished
-requests in the next step's ``finished_req_ids`` and preemptions in ``preempted_req_ids``.
+:class:`step_driver.Driver` (shared by every device's worker cases) plays vLLM 0.32's
+scheduler; the MBLT worker keeps its KV by slot, so the driver hands out no block ids.
 """
 
 from __future__ import annotations
@@ -21,7 +18,6 @@ import logging
 import shutil
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -32,6 +28,7 @@ from npusim import tinymodel  # noqa: E402
 from npusim.llm import Decoder  # noqa: E402
 from npusim.mxq import machine  # noqa: E402
 from npusim.mxq.compile import compile_artifact  # noqa: E402
+from step_driver import Driver, greedy  # noqa: E402,F401
 
 BLOCK = 16
 MAX_LEN = 128
@@ -158,118 +155,6 @@ def make_worker():
     yield make
     for w in made:
         w.shutdown()
-
-
-# ---------------------------------------------------------------------- the scheduler
-def greedy(n):
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=n)
-
-
-@dataclass
-class _DReq:
-    rid: str
-    prompt: list[int]
-    params: object
-    computed: int
-    out: list[int] = field(default_factory=list)
-    sent: bool = False
-    resumed: bool = False
-    preempted: bool = False
-    done: bool = False
-
-    @property
-    def all_ids(self):
-        return self.prompt + self.out
-
-
-class Driver:
-    """vLLM's scheduler for one worker (see the module docstring)."""
-
-    def __init__(self, worker, chunk=CHUNK):
-        self.w = worker
-        self.chunk = chunk
-        self.reqs: dict[str, _DReq] = {}
-        self.finished: set[str] = set()
-        self.preempted: set[str] = set()
-        self.prev: set[str] = set()
-
-    def add(self, rid, prompt, params, num_computed=0):
-        self.reqs[rid] = _DReq(rid, list(prompt), params, num_computed)
-
-    def preempt(self, rid):
-        r = self.reqs[rid]
-        r.preempted, r.computed = True, 0
-        self.preempted.add(rid)
-
-    def resume(self, rid, num_computed=0):
-        r = self.reqs[rid]
-        r.preempted, r.resumed, r.computed = False, True, num_computed
-
-    def active(self):
-        return [r.rid for r in self.reqs.values() if not r.done and not r.preempted]
-
-    def step(self, rids=None):
-        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
-
-        rids = self.active() if rids is None else list(rids)
-        new, cached, nst = [], [], {}
-        for rid in rids:
-            r = self.reqs[rid]
-            n = min(self.chunk, len(r.all_ids) - r.computed)
-            assert n > 0
-            nst[rid] = n
-            if not r.sent:
-                new.append(NewRequestData(rid, list(r.prompt), [], r.params, None, ([],), r.computed, None))
-            else:
-                cached.append(r)
-        cd = CachedRequestData(
-            req_ids=[r.rid for r in cached],
-            resumed_req_ids={r.rid for r in cached if r.resumed},
-            new_token_ids=[[] for _ in cached],
-            all_token_ids={r.rid: list(r.all_ids) for r in cached if r.rid not in self.prev},
-            new_block_ids=[None for _ in cached],
-            num_computed_tokens=[r.computed for r in cached],
-            num_output_tokens=[len(r.out) for r in cached],
-        )
-        so = SchedulerOutput(
-            scheduled_new_reqs=new, scheduled_cached_reqs=cd, num_scheduled_tokens=nst,
-            total_num_scheduled_tokens=sum(nst.values()), scheduled_spec_decode_tokens={},
-            scheduled_encoder_inputs={}, finished_req_ids=set(self.finished), free_encoder_mm_hashes=[],
-            preempted_req_ids=set(self.preempted),
-        )
-        self.finished, self.preempted = set(), set()
-        out = self.w.execute_model(so)
-        assert list(out.req_ids) == list(nst)
-        for rid, n in nst.items():
-            r = self.reqs[rid]
-            r.sent, r.resumed = True, False
-            r.computed += n
-            toks = out.sampled_token_ids[out.req_id_to_index[rid]]
-            if r.computed < len(r.all_ids):
-                assert toks == [], f"{rid}: sampled during a partial prefill"
-                continue
-            assert len(toks) == 1, f"{rid}: nothing sampled at the end of its tokens"
-            r.out.extend(toks)
-            if len(r.out) >= r.params.max_tokens:
-                r.done = True
-                self.finished.add(rid)
-        self.prev = set(nst)
-        return out
-
-    def flush(self):
-        """One step with nothing scheduled: delivers pending finished/preempted ids."""
-        return self.step([])
-
-    def run(self, rids=None):
-        """Step (all active requests, or ``rids``) until those are done; return their outputs."""
-        want = list(rids) if rids is not None else self.active()
-        while True:
-            todo = [rid for rid in want if not self.reqs[rid].done]
-            if not todo:
-                return {rid: self.reqs[rid].out for rid in want}
-            self.step(todo)
 
 
 def prompts(seed, *lengths):

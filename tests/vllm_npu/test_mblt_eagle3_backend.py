@@ -126,23 +126,27 @@ def _new(req_id, prompt, max_tokens, computed=0, temperature=0.0, eos=None, stop
     params = SimpleNamespace(max_tokens=max_tokens, temperature=temperature, top_k=0, top_p=1.0,
                              eos_token_id=eos, stop_token_ids=stop_ids or [])
     return SimpleNamespace(req_id=req_id, prompt_token_ids=prompt, sampling_params=params, num_computed_tokens=computed,
-                           prompt_embeds=None, mm_features=[])
+                           prompt_embeds=None, mm_features=[], block_ids=([],))
 
 
 def _so(new=(), cached=(), sched=None, finished=(), resumed=(), all_ids=None):
     return SimpleNamespace(
         finished_req_ids=set(finished), preempted_req_ids=set(), scheduled_new_reqs=list(new),
         scheduled_cached_reqs=SimpleNamespace(req_ids=[c[0] for c in cached], num_computed_tokens=[c[1] for c in cached],
+                                              new_block_ids=[None for _ in cached],
                                               resumed_req_ids=set(resumed), all_token_ids=all_ids or {}),
         num_scheduled_tokens=dict(sched or {}))
 
 
 class _VllmView:
     """What vLLM's scheduler does with a step's tokens: append until max_tokens, schedule the new
-    ones (at most ``budget`` per step)."""
+    ones (at most ``budget`` per step), through the step engine over ``runner``."""
 
     def __init__(self, runner, req_id, prompt, max_tokens, budget=16):
-        self.runner, self.rid, self.prompt, self.max_tokens, self.budget = runner, req_id, prompt, max_tokens, budget
+        from vllm_npu.step_engine import StepEngine
+
+        self.runner = StepEngine(runner)
+        self.rid, self.prompt, self.max_tokens, self.budget = req_id, prompt, max_tokens, budget
         self.out: list[int] = []
         self.computed = 0
         self.chunks: list[int] = []
@@ -193,7 +197,7 @@ def test_runner_steps_as_vllm_schedules_them(backend, eagle3_golden, max_tokens,
     assert len(out) == max_tokens  # the runner never returned more than the budget left
     if max_tokens > 1:
         assert max(view.chunks) > 1
-    assert runner.totals["requests"] == 1 and not runner.requests
+    assert runner.totals["requests"] == 1 and not view.runner.reqs
 
 
 def test_runner_restarts_a_preempted_request(backend, eagle3_golden):
@@ -208,11 +212,12 @@ def test_runner_restarts_a_preempted_request(backend, eagle3_golden):
 def test_runner_refuses_prompt_embeddings(backend):
     pytest.importorskip("vllm")
     from vllm_npu.mblt.eagle3_serving import Eagle3Runner
+    from vllm_npu.step_engine import StepEngine
 
     req = _new("r3", [1, 2], 4)
     req.prompt_embeds = np.zeros((2, 4))
     with pytest.raises(ValueError, match="token prompts only"):
-        Eagle3Runner(backend, 256).execute(_so(new=[req], sched={"r3": 2}))
+        StepEngine(Eagle3Runner(backend, 256)).execute(_so(new=[req], sched={"r3": 2}))
 
 
 # ------------------------------------------------------------------------------------ release rules

@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_npu.rbln.sequences import (Decode, Prefill, SequenceStateError, SequenceTable, StepPlan,
+from vllm_npu.rbln.sequences import (Decode, Prefill, SequenceStateError, SequenceTable, DevicePlan,
                                      select_bucket)
 
 
@@ -29,7 +29,7 @@ def _prefilled(table: SequenceTable, rid: str, prompt: list[int], blocks: list[i
     return seq
 
 
-def _decode_step(table: SequenceTable, rids: list[str], new_blocks: dict[str, list[int]] | None = None) -> StepPlan:
+def _decode_step(table: SequenceTable, rids: list[str], new_blocks: dict[str, list[int]] | None = None) -> DevicePlan:
     """vLLM's next step for running requests at their next token: update, then plan one each."""
     for rid in rids:
         seq = table.seqs[rid]
@@ -98,7 +98,7 @@ def test_a_prompt_in_three_pieces_prefills_only_on_the_last_step():
     plan = table.plan({"a": 4})
     assert plan.prefills == () and plan.decode is None and plan.sampled() == []
     table.done(plan)
-    assert seq.device_len == 0 and seq.scheduled_end == 4
+    assert seq.device_len == 0 and seq.num_computed == 4
     table.update("a", [2], False, 4)
     plan = table.plan({"a": 4})
     assert plan.prefills == () and plan.decode is None
@@ -168,7 +168,7 @@ def test_done_advances_device_len():
     assert (a.device_len, b.device_len) == (5, 2)
     table.done(plan)
     assert (a.device_len, b.device_len) == (6, 3)
-    table.done(StepPlan((), None))
+    table.done(DevicePlan((), None))
     assert (a.device_len, b.device_len) == (6, 3)
 
 
@@ -217,7 +217,7 @@ def test_preemption_and_resume_reprefill_prompt_and_outputs_into_the_new_blocks(
     assert a.device_len == 0 and a.blocks == []
     # vLLM resumes it with fresh blocks, recomputing from 0 (prefix caching is off)
     table.update("a", [6, 7], True, 0, [1, 2, 3, 40, 41])
-    assert a.blocks == [6, 7] and a.device_len == 0 and a.scheduled_end == 0
+    assert a.blocks == [6, 7] and a.device_len == 0 and a.num_computed == 0
     plan = table.plan({"a": 5})
     assert plan.prefills == (Prefill(a, [1, 2, 3, 40, 41], [5, 6, 0, 0]),) and plan.decode is None
     table.done(plan)
@@ -735,7 +735,7 @@ def test_prefix_content_is_dropped_when_the_holder_is_preempted_or_resumed():
     assert a.phys == [] and not table.prefix.holder and table.prefix.free[-2:] == a_blocks
     p = _prefix_plan(table, "c", _A300[:100] + [5] * 100)
     assert p.start == 0 and p.copies == ()
-    table.done(StepPlan((p,), None))
+    table.done(DevicePlan((p,), None))
     # resumed: a re-prefills; of its old content only what c computed since is reused
     table.update("a", [], True, 0, _A300 + [7])
     plan = table.plan({"a": 301})
@@ -754,8 +754,8 @@ def test_prefix_add_accepts_vllms_computed_tokens_and_prefills_from_its_own_star
     # nothing on the device: vLLM's 256-token hit is advisory, the prefill starts at 0
     p = _prefix_plan(table, "a", _A300, computed=256)
     assert p.start == 0 and p.ids == _A300 and p.copies == ()
-    assert p.seq.scheduled_end == 300
-    table.done(StepPlan((p,), None))
+    assert p.seq.num_computed == 300
+    table.done(DevicePlan((p,), None))
     p.seq.output_ids.append(1)
     table.finish("a")
     # the device holds 200 shared tokens, vLLM believes 256: start 128
@@ -765,7 +765,7 @@ def test_prefix_add_accepts_vllms_computed_tokens_and_prefills_from_its_own_star
     table2 = SequenceTable(4, 1024, 2048, [1], prefix_chunk=128)
     _prefix_prefilled(table2, "a", _A300)
     c = table2.add("c", _A300[:200] + [4] * 100, None, None, [], 128)
-    assert c.scheduled_end == 128
+    assert c.num_computed == 128
     assert table2.plan({"c": 100}).prefills == ()
     table2.update("c", None, False, 228)
     plan = table2.plan({"c": 72})
@@ -812,7 +812,7 @@ class _KV:
             pos = d.positions[i]
             self.kv[(d.tables[i][pos // bs], pos % bs)] = -1
 
-    def run(self, plan: StepPlan) -> None:
+    def run(self, plan: DevicePlan) -> None:
         for p in plan.prefills:
             self.prefill(p)
         if plan.decode is not None:

@@ -1,5 +1,6 @@
-"""vLLM steps on an EAGLE-3 release: :class:`Eagle3Runner` turns a ``SchedulerOutput`` into
-speculative rounds and a ``ModelRunnerOutput``.
+"""vLLM steps on an EAGLE-3 release: :class:`Eagle3Runner`, the step engine's device runner
+(:mod:`vllm_npu.step_engine`), turns each step's scheduled requests into speculative rounds and
+returns their tokens.
 
 vLLM 0.32 schedules a decoding request its new tokens and appends what the step returns, token by
 token, stopping (and trimming the rest) at its ``eos_token_id``, a ``stop_token_ids`` entry,
@@ -33,6 +34,7 @@ from typing import Any
 from vllm_npu.mblt.eagle3_backend import Eagle3Backend
 from vllm_npu.mblt.eagle3_round import Eagle3Sequence, KvDisplaced
 from vllm_npu.mblt.eagle3_tree import SamplingSpec
+from vllm_npu.step_engine import Request, StepPlan, StepResult, new_request_fields
 
 __all__ = ["Eagle3Runner", "sampling_spec", "stop_ids"]
 
@@ -55,15 +57,13 @@ def sampling_spec(params: Any) -> SamplingSpec:
                         top_p=float(params.top_p if params.top_p is not None else 1.0))
 
 
-@dataclass
-class _Request:
-    req_id: str
-    token_ids: list[int]
-    prompt_len: int
-    max_tokens: int
-    spec: SamplingSpec
-    stops: frozenset[int]
-    num_computed: int = 0
+@dataclass(eq=False)
+class _Request(Request):
+    """A request (:class:`vllm_npu.step_engine.Request`) with its speculative state."""
+
+    max_tokens: int = 0
+    spec: SamplingSpec | None = None
+    stops: frozenset[int] = frozenset()
     seq: Eagle3Sequence | None = None
     exhausted: bool = False
     round_tokens: int = 0
@@ -86,21 +86,22 @@ class Eagle3Runner:
     def __init__(self, backend: Eagle3Backend, max_model_len: int) -> None:
         self.backend = backend
         self.max_model_len = int(max_model_len)
-        self.requests: dict[str, _Request] = {}
         self.totals = {"rounds": 0, "accepted": 0, "drafted": 0, "round_tokens": 0, "requests": 0}
 
     # ---------------------------------------------------------------- requests
-    def _add(self, new: Any) -> None:
-        """Raises: ValueError: prompt embeddings or multimodal data (validate_request refuses them first)."""
+    def admit(self, new: Any) -> _Request:
+        """A new request's record.
+
+        Raises:
+            ValueError: prompt embeddings or multimodal data (validate_request refuses them first).
+        """
         if getattr(new, "prompt_embeds", None) is not None or getattr(new, "mm_features", None):
             raise ValueError("EAGLE-3 models take token prompts only, without prompt embeddings or multimodal data.")
-        prompt = list(new.prompt_token_ids or [])
+        fields = new_request_fields(new)
         params = new.sampling_params
         max_tokens = params.max_tokens
-        self.requests[new.req_id] = _Request(
-            new.req_id, prompt, len(prompt),
-            self.max_model_len - len(prompt) if max_tokens is None else int(max_tokens),
-            sampling_spec(params), stop_ids(params), num_computed=int(new.num_computed_tokens))
+        return _Request(**fields, max_tokens=self.max_model_len - len(fields["prompt_ids"]) if max_tokens is None
+                        else int(max_tokens), spec=sampling_spec(params), stops=stop_ids(params))
 
     def _drop_state(self, req: _Request) -> None:
         if req.seq is not None:
@@ -110,14 +111,13 @@ class Eagle3Runner:
             req.seq = None
         req.exhausted = False
 
-    def _finish(self, req_id: str) -> None:
-        req = self.requests.pop(req_id, None)
-        if req is None:
-            return
+    def finish(self, req: _Request) -> None:
+        """A finished request: its figures join :attr:`totals` and are logged."""
+        req_id = req.req_id
         rounds, accepted, drafted = req.figures()
         if req.seq is not None and self.backend.owner is req.seq:
             self.backend.owner = None
-        outputs = len(req.token_ids) - req.prompt_len
+        outputs = len(req.output_ids)
         for key, v in (("rounds", rounds), ("accepted", accepted), ("drafted", drafted),
                        ("round_tokens", req.round_tokens), ("requests", 1)):
             self.totals[key] += v
@@ -127,12 +127,11 @@ class Eagle3Runner:
             100.0 * accepted / drafted if drafted else 0.0, req.round_tokens / rounds if rounds else 0.0, req.restarts)
 
     def _remaining(self, req: _Request) -> int:
-        outputs = len(req.token_ids) - req.prompt_len
-        return min(req.max_tokens - outputs, self.max_model_len - len(req.token_ids))
+        return min(req.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
 
     def _prefill(self, req: _Request) -> list[int]:
         req.seq = Eagle3Sequence(self.backend, req.spec, req.stops)
-        return [req.seq.prefill(req.token_ids, max(1, self._remaining(req)))]
+        return [req.seq.prefill(req.all_ids, max(1, self._remaining(req)))]
 
     def _run(self, req: _Request) -> list[int]:
         """Feed the prompt, or run the next round; the tokens to return.
@@ -163,43 +162,20 @@ class Eagle3Runner:
         return tokens
 
     # ---------------------------------------------------------------- the step
-    def execute(self, so: Any) -> Any:
-        """One scheduler step: finish, preempt, add and resume requests, then feed or run a
-        round for each scheduled one; a ``ModelRunnerOutput`` with each one's new tokens."""
-        from vllm.v1.outputs import ModelRunnerOutput
+    def preempt(self, req: _Request) -> None:
+        """A preempted request loses its speculative state (its KV is gone)."""
+        self._drop_state(req)
 
-        for rid in so.finished_req_ids:
-            self._finish(rid)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            if rid in self.requests:
-                self._drop_state(self.requests[rid])
-        for new in so.scheduled_new_reqs:
-            self._add(new)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            req = self.requests[rid]
-            req.num_computed = int(cached.num_computed_tokens[i])
-            if rid in cached.resumed_req_ids:
-                all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
-                if all_ids is not None:
-                    req.token_ids = list(all_ids)
-                req.restarts += 1
-                self._drop_state(req)
-        order = list(so.num_scheduled_tokens)
-        sampled: list[list[int]] = []
-        for rid in order:
-            req = self.requests[rid]
-            end = req.num_computed + int(so.num_scheduled_tokens[rid])
-            tokens: list[int] = []
-            if end >= len(req.token_ids):
-                tokens = self._run(req)
-                req.token_ids.extend(tokens)
-            req.num_computed = end
-            sampled.append(tokens)
-        return ModelRunnerOutput(req_ids=order, req_id_to_index={rid: i for i, rid in enumerate(order)},
-                                 sampled_token_ids=sampled, logprobs=None, prompt_logprobs_dict={})
+    def resume(self, req: _Request) -> None:
+        """A resumed request restarts from vLLM's token list (a prefill of every token)."""
+        req.restarts += 1
+        self._drop_state(req)
+
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """Feed the prompt, or run a round, for each scheduled request that reached its last
+        token; their new tokens (the engine appends them)."""
+        return StepResult(tokens=[self._run(row.req) for row in plan.sampling])  # type: ignore[arg-type]
 
     def shutdown(self) -> None:
-        """Forget every request (their KV goes with the backend)."""
-        self.requests.clear()
+        """Release the backend's KV owner (the engine forgets the requests)."""
         self.backend.owner = None

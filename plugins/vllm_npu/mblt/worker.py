@@ -56,7 +56,7 @@ import math
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +65,7 @@ import torch
 
 from vllm_npu._worker import NpuWorker
 from vllm_npu.device_retry import DeviceRetry
-from vllm_npu.host_sampling import num_logprobs, request_generator
+from vllm_npu.host_sampling import num_logprobs
 from vllm_npu.mblt import prefix_cache as pc
 from vllm_npu.mblt import settings
 from vllm_npu.mblt.asr import AsrEncoder, AsrRelease, feature_rows, is_asr_release
@@ -77,10 +77,11 @@ from vllm_npu.mblt.platform import artifact_config
 from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.vlm import is_vlm_release
-from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, SampleRequest, penalties_enabled
+from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, penalties_enabled
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
-from vllm_npu.step_output import StepOutputs, StepSample
+from vllm_npu.step_engine import Request, StepEngine, StepPlan, StepResult, new_request_fields
+from vllm_npu.step_output import StepOutputs
 
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
@@ -104,15 +105,12 @@ class MbltDeviceError(MbltWorkerError):
 
 
 @dataclass(eq=False)
-class _Req:
-    req_id: str
-    prompt_ids: list[int]
-    params: Any
-    kv: RequestKV
-    vslot: int | None
-    generator: torch.Generator | None
-    output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+class _Req(Request):
+    """A request (:class:`vllm_npu.step_engine.Request`) with its MXQ cache and encoder inputs."""
+
+    #: the request's KV cache on its slot (set when the worker admits it)
+    kv: RequestKV = None  # type: ignore[assignment]
+    vslot: int | None = None
     #: the prompt-logprob rows being filled (None: not asked, or already returned)
     prompt_logprobs: PromptLogprobs | None = None
     #: audio / vision: prompt positions of the encoder's embeddings, and the embeddings ``[n, hidden]``
@@ -128,23 +126,11 @@ class _Req:
     covered_until: int = 0
     #: the prompt's ids for KV bookkeeping: audio positions hold negative clip-derived ids
     key_prompt_ids: list[int] | None = None
-    #: the prompt's ids the sampler's penalties read, when some are placeholders (prompt
-    #: embeddings: the vocabulary size, vLLM's padding id)
-    penalty_prompt_ids: list[int] | None = None
 
     @property
     def all_ids(self) -> list[int]:
         """The ids the KV bookkeeping compares (a slot's and a snapshot's ``token_ids``)."""
         return (self.key_prompt_ids or self.prompt_ids) + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    def token_ids(self, start: int, end: int) -> list[int]:
-        """The token ids at positions ``[start, end)`` (audio positions hold the placeholder id)."""
-        n = len(self.prompt_ids)
-        return self.prompt_ids[start:end] + self.output_ids[max(0, start - n):max(0, end - n)]
 
 
 def audio_key_ids(identifier: str, n: int) -> list[int]:
@@ -234,12 +220,11 @@ class MbltWorker(NpuWorker):
         #: a VLM release's layout and vision encoder (:mod:`vllm_npu.mblt.vlm`); None otherwise
         self.vlm = None
         self.vision = None
-        self.reqs: dict[str, _Req] = {}
+        self.engine = StepEngine(self)  # host sampling once the model is loaded; EAGLE-3's runner replaces it
         self.free_vslots: list[int] = list(range(self.max_batch_size))
         self.snapshots: pc.SnapshotIndex[RequestKV] = pc.SnapshotIndex(pc.MAX_FINISHED_SNAPSHOTS)
         self.table: SlotTable | None = None
         self.sampler: HostSampler | None = None
-        self.outputs: StepOutputs | None = None
         self.tracer = None
         self.short_cache_warnings = 0
         self.kv_cache_config = None
@@ -385,6 +370,7 @@ class MbltWorker(NpuWorker):
                 f"Pass --max-model-len {limit} or lower.")
         self.runtime = runtime
         self.eagle3 = Eagle3Runner(backend, self.max_model_len)
+        self.engine = StepEngine(self.eagle3)
 
     def _device_name(self, key: str) -> str:
         """The qbruntime device family config.json's ``key`` names (``aries-rb`` -> ``aries``; default ``aries``)."""
@@ -432,7 +418,7 @@ class MbltWorker(NpuWorker):
                                self.cost_model.observe_load, self._on_displaced)
         self.sampler = HostSampler(backend.vocab_size, enable_penalties=penalties_enabled(), switch=PENALTIES_ENV,
                                    log=logger, vllm_config=self.vllm_config)
-        self.outputs = StepOutputs(self.sampler)
+        self.engine.outputs = StepOutputs(self.sampler)
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
         logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))
@@ -535,7 +521,12 @@ class MbltWorker(NpuWorker):
         self._drop_audio()
         if self.table is not None:
             self.table.clear()
-        self.reqs.clear()
+        self.engine.clear()
+
+    @property
+    def reqs(self) -> dict[str, Request]:
+        """The step engine's request table."""
+        return self.engine.reqs
 
     def _drop_audio(self) -> None:
         """Dispose a Qwen3-ASR release's audio encoder or a VLM release's vision encoder, if one was created."""
@@ -550,12 +541,6 @@ class MbltWorker(NpuWorker):
         """``generate``; a Qwen3-ASR release also ``transcription`` (vLLM then serves
         ``/v1/audio/transcriptions`` and ``/v1/audio/translations``)."""
         return ("generate", "transcription") if is_asr_release(self.artifact) else ("generate",)
-
-    def sample_tokens(self, grammar_output):
-        """The step :meth:`execute_model` left for vLLM's grammar bitmask, sampled under it
-        (:class:`vllm_npu.step_output.StepOutputs`)."""
-        assert self.outputs is not None
-        return self.outputs.sample_tokens(grammar_output)
 
     # ------------------------------------------------------------------ requests and slots
 
@@ -579,10 +564,9 @@ class MbltWorker(NpuWorker):
         assert self.backend is not None
         return (0, 0) if vslot is None else self.backend.slot_of(vslot)
 
-    def _finish(self, req_id: str) -> None:
-        st = self.reqs.pop(req_id, None)
-        if st is None:
-            return
+    def finish(self, st: _Req) -> None:
+        """A finished request: its slot is free and its KV becomes a prefix snapshot."""
+        req_id = st.req_id
         self._release_vslot(st)
         assert self.table is not None
         displaced = self.snapshots.pop_displaced(req_id)  # superseded by the finished cache
@@ -616,23 +600,20 @@ class MbltWorker(NpuWorker):
         for _key, old in self.snapshots.add(key, list(kv.token_ids), kv):
             self.table.release(old)
 
-    def _preempt(self, req_id: str) -> None:
-        st = self.reqs.get(req_id)
-        if st is None:
-            return
+    def preempt(self, st: _Req) -> None:
+        """A preempted request: its KV is saved to host and its slot freed."""
         assert self.table is not None
         self.table.save(st.kv)
         self.table.release(st.kv)
         self._release_vslot(st)
 
-    def _add(self, new) -> None:
+    def admit(self, new) -> _Req:
+        """A new request: a slot, and its prompt embeddings or encoder inputs."""
         params = new.sampling_params
-        gen = request_generator(params)
         vslot = self._assign_vslot(new.req_id)
         embeds = getattr(new, "prompt_embeds", None)
-        st = _Req(new.req_id, list(new.prompt_token_ids or []), params,
-                  RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"), vslot, gen)
-        st.num_computed = new.num_computed_tokens
+        st = _Req(**new_request_fields(new), kv=RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"),
+                  vslot=vslot)
         if embeds is not None:
             self._add_prompt_embeds(st, embeds, getattr(new, "prompt_is_token_ids", None))
         elif self.vlm is not None:
@@ -650,7 +631,7 @@ class MbltWorker(NpuWorker):
             if self.backend.output_layout != "all" and not self._microstep_warned:
                 self._microstep_warned = True
                 logger.warning(MICROSTEP_WARNING)
-        self.reqs[new.req_id] = st
+        return st
 
     def _add_prompt_embeds(self, st: _Req, embeds: Any, is_token: list[bool] | None) -> None:
         """A request with ``prompt_embeds`` ``[T, hidden]`` (``--enable-prompt-embeds``): the MXQ
@@ -797,7 +778,8 @@ class MbltWorker(NpuWorker):
         x[st.mm_pos[sel] - start] = st.mm_rows[sel]
         return x
 
-    def _resume(self, st: _Req) -> None:
+    def resume(self, st: _Req) -> None:
+        """A resumed request gets a slot again (its KV was saved to host at preemption)."""
         if self.max_batch_size > 1 and st.vslot is None:
             st.vslot = self._assign_vslot(st.req_id)
             new_slot = self._slot_for(st.vslot)
@@ -853,57 +835,33 @@ class MbltWorker(NpuWorker):
 
     # ------------------------------------------------------------------ the step
 
-    def execute_model(self, scheduler_output):
-        from vllm.v1.outputs import ModelRunnerOutput
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """Restore each row's cache (its own, or a prefix snapshot), run its tokens, and return
+        the sampling rows' last-position logits and the prompt logprobs the step completed.
 
-        so = scheduler_output
-        if self.eagle3 is not None:
-            return self.eagle3.execute(so)
-        for rid in so.finished_req_ids:
-            self._finish(rid)
-        for rid in so.preempted_req_ids or ():
-            self._preempt(rid)
-        for new in so.scheduled_new_reqs:
-            self._add(new)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            st = self.reqs[rid]
-            if rid in cached.resumed_req_ids:
-                all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
-                if all_ids is not None:
-                    st.output_ids = list(all_ids[len(st.prompt_ids):])
-                self._resume(st)
-            st.num_computed = cached.num_computed_tokens[i]
-
-        order = list(so.num_scheduled_tokens)
-        if not order:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        Raises:
+            MbltWorkerError: images vLLM's prefix cache covered whose KV no snapshot holds.
+            MbltDeviceError: an infer failed twice.
+        """
         self.stats["steps"] += 1
         work: list[tuple[_Req, int]] = []
-        for rid in order:
-            st = self.reqs[rid]
-            end = st.num_computed + so.num_scheduled_tokens[rid]
+        for row in plan.rows:
+            st = row.req
             self._restore_prefix(st, st.num_computed)
             if st.covered_until > st.kv.length:
                 raise MbltWorkerError(
-                    f"req_id={rid}: vLLM's prefix cache covered its images up to token {st.covered_until} and sent "
-                    f"them without pixels, but no prefix snapshot holds that KV (the worker has {st.kv.length} "
+                    f"req_id={st.req_id}: vLLM's prefix cache covered its images up to token {st.covered_until} and "
+                    f"sent them without pixels, but no prefix snapshot holds that KV (the worker has {st.kv.length} "
                     "tokens): raise prefix_cache_max_host_mib, or serve this release with --no-enable-prefix-caching")
-            work.append((st, end))
+            work.append((st, row.end))
         logits = self._run(work)
-
-        to_sample = [i for i, (st, end) in enumerate(work) if end >= len(st.prompt_ids) and end == st.num_tokens]
         prompt_logprobs = {}
         for st, end in work:  # the step that completes a prompt returns its prompt logprobs
             if st.prompt_logprobs is not None and end >= len(st.prompt_ids):
                 prompt_logprobs[st.req_id] = st.prompt_logprobs.tensors()
                 st.prompt_logprobs = None
-        assert self.sampler is not None and self.outputs is not None
-        return self.outputs.emit(StepSample(
-            so, order, rows=to_sample, logits=np.stack([logits[i] for i in to_sample]) if to_sample else None,
-            reqs=[SampleRequest(work[i][0].params, work[i][0].penalty_prompt_ids or work[i][0].prompt_ids,
-                                work[i][0].output_ids, work[i][0].generator) for i in to_sample],
-            outputs=[work[i][0].output_ids for i in to_sample], prompt_logprobs=prompt_logprobs))
+        rows = [logits[i] for i, row in enumerate(plan.rows) if row.samples]
+        return StepResult(logits=np.stack(rows) if rows else None, prompt_logprobs=prompt_logprobs)
 
     def _infer(self, rows: list[Row]) -> list[np.ndarray]:
         """One dispatch; a ``QbRuntimeError`` is retried once (every row rewrites the same KV

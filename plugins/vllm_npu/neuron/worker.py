@@ -32,7 +32,6 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +43,7 @@ from vllm_npu.device_retry import DeviceRetry
 from vllm_npu.neuron import compile_cache as cc
 from vllm_npu.neuron.errors import NeuronDeviceError, NeuronWorkerError
 from vllm_npu.neuron.runtime import compiler_of, load_runtime
+from vllm_npu.step_engine import Request, RunnerHooks, StepEngine, StepPlan, StepResult
 
 logger = logging.getLogger("vllm.vllm_npu.neuron")
 
@@ -62,22 +62,6 @@ def recompile_error(name: str, tensor: str, expected: int, actual: int) -> Runti
         f"'vllm_npu/neuron/worker.py', function name: '{name}', line number: 0\n"
         "    triggered by the following guard failure(s):\n"
         f"    - 0/0: tensor '{tensor}' size mismatch at index 0. expected {expected}, actual {actual}")
-
-
-@dataclass
-class _Seq:
-    """One request as the worker tracks it."""
-
-    req_id: str
-    prompt: list[int]
-    params: Any
-    generator: torch.Generator | None
-    blocks: list[int]
-    computed: int
-    outputs: list[int] = field(default_factory=list)
-
-    def tokens(self) -> list[int]:
-        return self.prompt + self.outputs
 
 
 def _process_age_s() -> float:
@@ -101,8 +85,9 @@ def device_retry(runtime: Any) -> DeviceRetry:
     return DeviceRetry("Neuron", (runtime.NrtError,), NeuronDeviceError)
 
 
-class NeuronWorker(NpuWorker):
-    """vLLM worker executing NEFFs through the Neuron runtime seam (module docstring)."""
+class NeuronWorker(RunnerHooks, NpuWorker):
+    """vLLM worker executing NEFFs through the Neuron runtime seam (module docstring); the
+    device runner of its own :class:`~vllm_npu.step_engine.StepEngine` (plain request records)."""
 
     npu_name = "Neuron"
 
@@ -115,9 +100,8 @@ class NeuronWorker(NpuWorker):
         self.device_info: Any = None
         self.neffs: dict[str, Any] = {}
         self.kv: Any = None
-        self.seqs: dict[str, _Seq] = {}
+        self.engine = StepEngine(self)  # its output builder is set with CPU sampling
         self.sampler: Any = None
-        self.outputs: Any = None  # StepOutputs with CPU sampling
         self.metrics: Any = None
         self._rng = np.random.default_rng(int(vllm_config.model_config.seed or 0))
         self._prev_ids: list[str] | None = None
@@ -154,7 +138,7 @@ class NeuronWorker(NpuWorker):
             from vllm_npu.step_output import StepOutputs
 
             self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
-            self.outputs = StepOutputs(self.sampler)
+            self.engine.outputs = StepOutputs(self.sampler)
         logger.info("Neuron model %s: %d weight bytes on %s (%d logical cores, %.1f GiB HBM each), "
                     "%s sampling, Model Runner %s", self.plan["model_name"], self.plan["model_weight_bytes"],
                     self.device_info.target, self.device_info.logical_cores,
@@ -290,92 +274,39 @@ class NeuronWorker(NpuWorker):
 
     def shutdown(self) -> None:
         self.neffs.clear()
-        self.seqs.clear()
+        self.engine.clear()
         if self.nrt is not None:
             try:
                 self.nrt.reset()
             except Exception:  # noqa: BLE001 - best effort at exit
                 pass
 
-    def sample_tokens(self, grammar_output):
-        """The step :meth:`execute_model` left for vLLM's grammar bitmask (CPU sampling only),
-        sampled under it (:class:`vllm_npu.step_output.StepOutputs`).
-
-        Raises:
-            RuntimeError: on-device sampling (its steps never wait for a bitmask).
-        """
-        if self.outputs is None:
-            raise RuntimeError("the Neuron worker samples on the device: no step waits for sample_tokens")
-        return self.outputs.sample_tokens(grammar_output)
-
     # ------------------------------------------------------------------ the step
 
-    def _update_states(self, so) -> None:
-        from vllm_npu.host_sampling import request_generator
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """One prefill (a segment of a prompt, or a whole one) or one decode of every row
+        (module docstring, step 5); the NEFF's logits, and its tokens with on-device sampling.
 
-        for rid in so.finished_req_ids:
-            self.seqs.pop(rid, None)
-        for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            gen = request_generator(params)
-            old = self.seqs.get(new.req_id)
-            self.seqs[new.req_id] = _Seq(new.req_id, list(new.prompt_token_ids or []), params, gen,
-                                         list(new.block_ids[0]), int(new.num_computed_tokens),
-                                         old.outputs if old else [])
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            seq = self.seqs.get(rid)
-            if seq is None:
-                raise NeuronWorkerError(f"vLLM scheduled request {rid}, which the worker does not know")
-            blocks = cached.new_block_ids[i]
-            if rid in cached.resumed_req_ids:
-                seq.blocks = list(blocks[0]) if blocks else []
-            elif blocks:
-                seq.blocks.extend(blocks[0])
-            seq.computed = int(cached.num_computed_tokens[i])
-
-    def execute_model(self, scheduler_output):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        so = scheduler_output
-        self._update_states(so)
-        order = list(so.num_scheduled_tokens)
-        if not order:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
-        self.stats["steps"] += 1
-        seqs = [self.seqs[r] for r in order]
-        prefill = [s for s in seqs if so.num_scheduled_tokens[s.req_id] > 1
-                   or s.computed + so.num_scheduled_tokens[s.req_id] < len(s.tokens())]
-        if prefill and len(seqs) > 1:
-            raise RuntimeError(MIXED_BATCH_ERROR.format(p=len(prefill), d=len(seqs) - len(prefill)))
+        Raises:
+            RuntimeError: a step mixing prefill and decode (the vendor's text), a shape with no
+                NEFF (``fail_on_recompile``).
+            NeuronDeviceError: a NEFF execution failed twice.
+        """
+        rows = plan.rows
+        prefill = [r for r in rows if r.num_tokens > 1 or r.end < r.req.num_tokens]
+        if prefill and len(rows) > 1:
+            raise RuntimeError(MIXED_BATCH_ERROR.format(p=len(prefill), d=len(rows) - len(prefill)))
         if prefill:
-            emit, logits, tokens = self._prefill(prefill[0], so)
-            rows = [prefill[0]] if emit else []
+            r = prefill[0]
+            logits, tokens = self._prefill(r.req, r.num_tokens, plan.scheduler_output)
+            if not r.samples:
+                return StepResult()
         else:
-            self._async_flow(order)
-            logits, tokens = self._decode(seqs)
-            rows = seqs
-        for s in seqs:
-            s.computed += so.num_scheduled_tokens[s.req_id]
-        index = {rid: i for i, rid in enumerate(order)}
-        if self.outputs is not None:  # CPU sampling: the host sampler (and vLLM's grammar bitmask)
-            from vllm_npu.host_sampling import SampleRequest
-            from vllm_npu.step_output import StepSample
-
-            return self.outputs.emit(StepSample(
-                so, order, rows=[index[s.req_id] for s in rows], logits=logits if rows else None,
-                reqs=[SampleRequest(s.params, s.prompt, s.outputs, s.generator) for s in rows],
-                outputs=[s.outputs for s in rows]))
-        sampled: list[list[int]] = [[] for _ in order]
-        logprobs = None
-        if rows:  # on-device sampling: the NEFF's tokens
-            toks = [int(t) for t in tokens]
-            logprobs = self._raw_logprobs(logits, rows, toks, [index[s.req_id] for s in rows], len(order))
-            for s, tok in zip(rows, toks):
-                sampled[index[s.req_id]] = [int(tok)]
-                s.outputs.append(int(tok))
-        return ModelRunnerOutput(req_ids=order, req_id_to_index=index, sampled_token_ids=sampled,
-                                 logprobs=logprobs, prompt_logprobs_dict={})
+            self._async_flow(plan.order)
+            logits, tokens = self._decode([r.req for r in rows])
+        if not self.plan["on_device_sampling"]:
+            return StepResult(logits=logits)
+        return StepResult(logits=logits, tokens=[[int(t)] for t in tokens])
 
     # ------------------------------------------------------------------ device calls
 
@@ -404,7 +335,7 @@ class NeuronWorker(NpuWorker):
         self.metrics.neff_executed(label)
         return out
 
-    def _sampling_inputs(self, rows: list[_Seq], n: int) -> dict[str, np.ndarray]:
+    def _sampling_inputs(self, rows: list[Request], n: int) -> dict[str, np.ndarray]:
         from vllm_npu.neuron.sampling import on_device_row
 
         params = np.zeros((n, 3), np.float32)
@@ -418,7 +349,7 @@ class NeuronWorker(NpuWorker):
                 rand[i] = float(self._rng.random())
         return {"sampling_params": params, "rand": rand}
 
-    def _slots(self, seq: _Seq, start: int, n: int) -> np.ndarray:
+    def _slots(self, seq: Request, start: int, n: int) -> np.ndarray:
         bs = int(self.plan["block_size"])
         pos = np.arange(start, start + n)
         blocks = np.asarray(seq.blocks, np.int64)
@@ -427,8 +358,8 @@ class NeuronWorker(NpuWorker):
                                     f"({len(blocks)} blocks of {bs})")
         return (blocks[pos // bs] * bs + pos % bs).astype(np.int32)
 
-    def _prefill(self, seq: _Seq, so) -> tuple[bool, np.ndarray, np.ndarray]:
-        n = int(so.num_scheduled_tokens[seq.req_id])
+    def _prefill(self, seq: Request, n: int, so) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill ``n`` of ``seq``'s tokens from ``seq.num_computed`` on the bucket's NEFF."""
         padded_map = getattr(so, "num_scheduled_tokens_padded", None) or {}
         from vllm_npu.neuron.buckets import get_bucket_for_count, target_name
 
@@ -438,9 +369,9 @@ class NeuronWorker(NpuWorker):
         self._neff(name, "input_ids", n, int(buckets[-1]))
         if n > t:
             raise recompile_error(name, "input_ids", t, n)
-        start = seq.computed
+        start = seq.num_computed
         ids = np.zeros(t, np.int32)
-        ids[:n] = seq.tokens()[start:start + n]
+        ids[:n] = seq.all_ids[start:start + n]
         pos = np.full(t, start + n - 1, np.int32)
         pos[:n] = np.arange(start, start + n)
         slots = np.full(t, -1, np.int32)
@@ -450,22 +381,21 @@ class NeuronWorker(NpuWorker):
         table[:len(seq.blocks)] = seq.blocks[:max_blocks]
         inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table,
                   "last_token_index": np.array([n - 1], np.int32)}
-        emit = start + n >= len(seq.tokens())
         if self.plan["on_device_sampling"]:
             inputs.update(self._sampling_inputs([seq], 1))
         out = self._run(name, name, f"prefill of {seq.req_id} ({n} tokens on {name})", inputs)
         self.stats["prefills"] += 1
         self.stats["padded_tokens"] += t - n
-        return emit, out["logits"].reshape(1, -1), out.get("tokens", np.zeros(1, np.int32)).reshape(-1)
+        return out["logits"].reshape(1, -1), out.get("tokens", np.zeros(1, np.int32)).reshape(-1)
 
-    def _decode(self, seqs: list[_Seq]) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, seqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
         from vllm_npu.neuron.buckets import decode_context_bucket, get_bucket_for_count, target_name
 
         n = len(seqs)
         b = int(get_bucket_for_count(n, self.plan["num_seqs_buckets"]))
         max_len = int(self.plan["max_model_len"])
         ctx_buckets = self.plan["decode_context_length_buckets"]
-        need = max(s.computed + 1 for s in seqs)
+        need = max(s.num_computed + 1 for s in seqs)
         ctx = int(decode_context_bucket(need, ctx_buckets, max_len)) if ctx_buckets else max_len
         name = target_name({"kind": "decode", "batch": b, "context": ctx}, max_len)
         self._neff(name, "input_ids", n, int(self.plan["num_seqs_buckets"][-1]))
@@ -478,9 +408,9 @@ class NeuronWorker(NpuWorker):
         slots = np.full(b, -1, np.int32)
         table = np.full((b, width), -1, np.int32)
         for i, s in enumerate(seqs):
-            ids[i] = s.tokens()[s.computed]
-            pos[i] = s.computed
-            slots[i] = self._slots(s, s.computed, 1)[0]
+            ids[i] = s.all_ids[s.num_computed]
+            pos[i] = s.num_computed
+            slots[i] = self._slots(s, s.num_computed, 1)[0]
             k = min(len(s.blocks), width)
             table[i, :k] = s.blocks[:k]
         inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table}
@@ -491,30 +421,6 @@ class NeuronWorker(NpuWorker):
         self.stats["decodes"] += 1
         self.stats["padded_rows"] += b - n
         return out["logits"][:n], out.get("tokens", np.zeros(b, np.int32))[:n]
-
-    def _raw_logprobs(self, logits: np.ndarray, rows: list[_Seq], toks: list[int], where: list[int], num_reqs: int):
-        """vLLM's ``LogprobsLists`` (raw logprobs of the device's logits) for the rows that asked."""
-        from vllm_npu.host_sampling import num_logprobs
-
-        vocab = logits.shape[1]
-        want = [n for s in rows if (n := num_logprobs(s.params, vocab)) is not None]
-        if not want:
-            return None
-        from vllm.v1.outputs import LogprobsLists
-
-        k = max(want)
-        x = logits.astype(np.float64)
-        lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
-        lp = (x - lse[:, None]).astype(np.float32)
-        ids = np.zeros((num_reqs, k + 1), np.int64)
-        vals = np.zeros((num_reqs, k + 1), np.float32)
-        ranks = np.zeros((num_reqs,), np.int64)
-        for r, (tok, i) in enumerate(zip(toks, where)):
-            order = np.lexsort((np.arange(vocab), -lp[r]))  # descending, lowest id first on ties
-            ids[i, 0], vals[i, 0] = tok, lp[r, tok]
-            ids[i, 1:], vals[i, 1:] = order[:k], lp[r, order[:k]]
-            ranks[i] = int((lp[r] > lp[r, tok]).sum()) + 1
-        return LogprobsLists(ids, vals, ranks, None)
 
     def _async_flow(self, order: list[str]) -> None:
         """Count the decode steps the async flow would overlap and those it would break

@@ -20,7 +20,9 @@ scheduled tokens into device work that obeys the compiled programs' static shape
   and a prompt starts from the longest chunk-aligned prefix the device verifiably holds
   (:class:`PrefixBlocks`); vLLM's blocks are then only its sub-block accounting.
 
-Nothing here imports vLLM, torch or the device runtime.
+A sequence is the step engine's request record (:class:`vllm_npu.step_engine.Request`) with the
+device's two facts added; ``num_computed`` is the tokens vLLM has scheduled so far. Nothing here
+imports vLLM, torch or the device runtime.
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["SequenceStateError", "Seq", "Prefill", "Decode", "StepPlan", "SequenceTable", "PrefixBlocks",
+from vllm_npu.step_engine import Request
+
+__all__ = ["SequenceStateError", "Seq", "Prefill", "Decode", "DevicePlan", "SequenceTable", "PrefixBlocks",
            "select_bucket"]
 
 
@@ -51,22 +55,11 @@ def select_bucket(n: int, buckets: Sequence[int]) -> int:
 
 
 @dataclass(eq=False)
-class Seq:
-    """One request: its token ids, vLLM block ids and how much of it the device holds."""
+class Seq(Request):
+    """One request (:class:`vllm_npu.step_engine.Request`) and how much of it the device holds."""
 
-    req_id: str
-    prompt_ids: list[int]
-    params: Any
-    generator: Any
-    blocks: list[int] = field(default_factory=list)
-    output_ids: list[int] = field(default_factory=list)
-    scheduled_end: int = 0      # tokens vLLM has scheduled so far
     device_len: int = 0         # tokens whose KV is on the device
     phys: list[int] | None = None  # prefix mode: the device blocks the table gave it
-
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     def device_blocks(self, width: int) -> list[int]:
         """The device block table, ``width`` entries (unused entries are block 0)."""
@@ -113,7 +106,7 @@ class Decode:
 
 
 @dataclass(frozen=True)
-class StepPlan:
+class DevicePlan:
     """A step's device work: prefills one at a time, then one decode call (or none)."""
 
     prefills: tuple[Prefill, ...]
@@ -163,35 +156,42 @@ class SequenceTable:
             SequenceStateError: vLLM says part of it is already computed while prefix caching
                 is off (vLLM and the worker disagree about the configuration).
         """
-        if num_computed_tokens and self.prefix is None and not self.shared_blocks:
+        # prefix mode: vLLM's own hit in num_computed is advisory
+        seq = Seq(req_id, list(prompt_ids), params, generator, list(block_ids), num_computed=int(num_computed_tokens))
+        return self.admit(seq)
+
+    def admit(self, seq: Seq) -> Seq:
+        """Take ``seq`` (a new request's record) into the table (see :meth:`add`).
+
+        Raises:
+            SequenceStateError: as :meth:`add`.
+        """
+        if seq.num_computed and self.prefix is None and not self.shared_blocks:
             raise SequenceStateError(
-                f"req_id={req_id}: starts with {num_computed_tokens} computed tokens, but prefix "
+                f"req_id={seq.req_id}: starts with {seq.num_computed} computed tokens, but prefix "
                 "caching is off (--no-enable-prefix-caching)")
-        seq = Seq(req_id, list(prompt_ids), params, generator, list(block_ids))
         if self.prefix is not None:
             seq.phys = []
-        seq.scheduled_end = int(num_computed_tokens)  # prefix mode: vLLM's own hit, advisory
         if self.shared_blocks:
-            seq.device_len = int(num_computed_tokens)  # vLLM's hit: its blocks hold them
-        self.seqs[req_id] = seq
+            seq.device_len = seq.num_computed  # vLLM's hit: its blocks hold them
+        self.seqs[seq.req_id] = seq
         return seq
 
     def update(self, req_id: str, new_block_ids: Sequence[int] | None, resumed: bool,
                num_computed_tokens: int, all_token_ids: Sequence[int] | None = None) -> Seq:
         """A running (or resumed) request's new blocks and computed-token count."""
         seq = self.seqs[req_id]
+        seq.apply_cached(new_block_ids, resumed, num_computed_tokens, all_token_ids)
         if resumed:
-            seq.blocks = list(new_block_ids or [])
-            # its blocks were freed: the device KV is gone (but for vLLM's own prefix hit)
-            seq.device_len = int(num_computed_tokens) if self.shared_blocks else 0
-            if self.prefix is not None:
-                self.prefix.release(seq)
-            if all_token_ids is not None:
-                seq.output_ids = list(all_token_ids[len(seq.prompt_ids):])
-        elif new_block_ids:
-            seq.blocks.extend(new_block_ids)
-        seq.scheduled_end = num_computed_tokens
+            self.resumed(seq)
         return seq
+
+    def resumed(self, seq: Seq) -> None:
+        """``seq`` resumes after a preemption: its blocks were freed, so the device KV is gone
+        (but for vLLM's own prefix hit)."""
+        seq.device_len = seq.num_computed if self.shared_blocks else 0
+        if self.prefix is not None:
+            self.prefix.release(seq)
 
     def finish(self, req_id: str) -> None:
         seq = self.seqs.pop(req_id, None)
@@ -208,7 +208,7 @@ class SequenceTable:
 
     # ------------------------------------------------------------------ a step
 
-    def plan(self, num_scheduled: dict[str, int]) -> StepPlan:
+    def plan(self, num_scheduled: dict[str, int]) -> DevicePlan:
         """The device work of a step that schedules ``num_scheduled[req_id]`` tokens each.
 
         Raises:
@@ -221,8 +221,8 @@ class SequenceTable:
             seq = self.seqs.get(rid)
             if seq is None:
                 raise SequenceStateError(f"req_id={rid} is scheduled but was never added")
-            end = seq.scheduled_end + n
-            seq.scheduled_end = end
+            end = seq.num_computed + n
+            seq.num_computed = end
             total = len(seq.prompt_ids) + len(seq.output_ids)
             if end < total:
                 continue  # a piece of a prompt: deferred to the step that schedules its end
@@ -247,7 +247,7 @@ class SequenceTable:
                 else:
                     prefills.append(Prefill(seq, seq.all_ids[:end], self._table(seq)))
         done = {p.seq.req_id for p in prefills}
-        return StepPlan(tuple(prefills), self._decode(decodes, done) if decodes else None)
+        return DevicePlan(tuple(prefills), self._decode(decodes, done) if decodes else None)
 
     def _table(self, seq: Seq) -> list[int]:
         return seq.device_blocks(self.width)
@@ -309,7 +309,7 @@ class SequenceTable:
                 positions.append(pos)
         return Decode(tuple(seqs), batch, ids, positions, tables)
 
-    def done(self, plan: StepPlan) -> None:
+    def done(self, plan: DevicePlan) -> None:
         """Record that ``plan`` ran: every prefilled and decoded token is on the device."""
         for p in plan.prefills:
             p.seq.device_len = len(p.ids)

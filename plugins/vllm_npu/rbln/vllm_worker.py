@@ -39,10 +39,9 @@ from vllm_npu.device_retry import DeviceRetry
 from vllm_npu.host_sampling import HostSampler
 from vllm_npu.rbln.attention import RblnAttentionMetadata
 from vllm_npu.rbln.runtime import load_rebel
-from vllm_npu.rbln.sequences import SequenceTable, StepPlan
+from vllm_npu.rbln.sequences import DevicePlan, SequenceTable
 from vllm_npu.rbln.worker import DEVICE_RETRY, PLAN_KEY, RblnDeviceError, RblnStepWorker, RblnWorkerError
 from vllm_npu.settings import RBLN_ENV_WORDS, env_switch
-from vllm_npu.step_output import StepOutputs
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
@@ -176,7 +175,7 @@ class RblnVllmWorker(RblnStepWorker):
         self.compiled = torch.compile(forward, backend=counting_backend, dynamic=False, fullgraph=True,
                                       options=options)
         self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
-        self.outputs = StepOutputs(self.sampler)
+        self._start_engine()
         logger.info("RBLN vllm model path: %s loaded in %.2f s on %s; prefill chunk %d, decode buckets "
                     "%s, KV blocks %d of %d tokens, strict mode %s", type(self.model).__name__,
                     time.perf_counter() - t0, plan["npu"], plan["chunk"], plan["decode_buckets"],
@@ -246,8 +245,7 @@ class RblnVllmWorker(RblnStepWorker):
     def shutdown(self) -> None:
         self.compiled = None
         self.model = None
-        if self.table is not None:
-            self.table.seqs.clear()
+        self._forget_requests()
 
     # ------------------------------------------------------------------ device calls
 
@@ -300,8 +298,8 @@ class RblnVllmWorker(RblnStepWorker):
     def _logits(self, hidden: torch.Tensor) -> np.ndarray:
         return self.model.compute_logits(hidden).float().numpy()
 
-    def _run(self, plan: StepPlan) -> np.ndarray:
-        """Run ``plan``; return the last-position logits of :meth:`StepPlan.sampled`, in order."""
+    def _run(self, plan: DevicePlan) -> np.ndarray:
+        """Run ``plan``; return the last-position logits of :meth:`DevicePlan.sampled`, in order."""
         chunk = int(self.plan["chunk"])
         rows: list[np.ndarray] = []
         for p in plan.prefills:

@@ -6,10 +6,10 @@ the device only through ``rebel`` (imported by name: the real rebel-compiler on 
 ``init_device``, ``load_model`` (compile into the compile cache, or load a compiled
 directory), ``get_kv_cache_spec`` / ``determine_available_memory`` (the compiled KV block
 count, +1 for vLLM's null block), ``initialize_from_config``, ``compile_or_warm_up_model``,
-then ``execute_model`` once per step, which returns the step's ``ModelRunnerOutput`` with
-host sampling done (:mod:`vllm_npu.host_sampling`), or None when a structured-output request
-samples in the step: vLLM then calls ``sample_tokens`` with the grammar bitmask
-(:mod:`vllm_npu.step_output`).
+then ``execute_model`` once per step through the step engine (:mod:`vllm_npu.step_engine`),
+which returns the step's ``ModelRunnerOutput`` with host sampling done
+(:mod:`vllm_npu.host_sampling`), or None when a structured-output request samples in the step:
+vLLM then calls ``sample_tokens`` with the grammar bitmask (:mod:`vllm_npu.step_output`).
 
 A step's device work comes from :class:`vllm_npu.rbln.sequences.SequenceTable`: prefills one at a
 time through ``model.prefill_decoder`` (chunked by optimum-rbln), then one padded decode
@@ -30,11 +30,12 @@ import torch
 
 from vllm_npu._worker import NpuWorker
 from vllm_npu.device_retry import DeviceRetry
-from vllm_npu.host_sampling import HostSampler, SampleRequest, request_generator
+from vllm_npu.host_sampling import HostSampler
 from vllm_npu.rbln import compile_plan as cp
 from vllm_npu.rbln.runtime import load_rebel, model_class
-from vllm_npu.rbln.sequences import SequenceTable, StepPlan
-from vllm_npu.step_output import StepOutputs, StepSample
+from vllm_npu.rbln.sequences import DevicePlan, Seq, SequenceTable
+from vllm_npu.step_engine import Request, StepEngine, StepPlan, StepResult, new_request_fields
+from vllm_npu.step_output import StepOutputs
 
 logger = logging.getLogger("vllm.vllm_npu.rbln")
 
@@ -58,67 +59,71 @@ DEVICE_RETRY = DeviceRetry("RBLN", (RuntimeError,), RblnDeviceError,
 
 
 class RblnStepWorker(NpuWorker):
-    """What both RBLN workers share: a step's scheduler output applied to the
-    :class:`~vllm_npu.rbln.sequences.SequenceTable`, the device work of its plan
-    (:meth:`_run`, each path's own), then host sampling of the rows that finished a prompt or
-    decoded (:mod:`vllm_npu.host_sampling`).
+    """What both RBLN workers share: the device runner of the step engine
+    (:class:`vllm_npu.step_engine.StepEngine`) over the
+    :class:`~vllm_npu.rbln.sequences.SequenceTable`: a step's rows become the table's device
+    plan, each path runs it (:meth:`_run`), and the logits come back in the step's order for
+    host sampling (:mod:`vllm_npu.host_sampling`).
 
-    Subclasses set ``self.table``, ``self.sampler`` and ``self.stats`` (with ``steps``) and
-    implement :meth:`_run`.
+    Subclasses set ``self.table``, ``self.sampler`` (then :meth:`_start_engine`) and
+    ``self.stats`` (with ``steps``) and implement :meth:`_run`.
     """
 
     npu_name = "RBLN"
     table: SequenceTable | None = None
     sampler: HostSampler | None = None
-    outputs: StepOutputs  # set with the sampler
+
+    def _start_engine(self) -> None:
+        """The step engine over this worker, host sampling with ``self.sampler``."""
+        self.engine = StepEngine(self, StepOutputs(self.sampler))
+
+    def _forget_requests(self) -> None:
+        """Forget every request (the worker shuts down)."""
+        if self.table is not None:
+            self.table.seqs.clear()
+        if self.engine is not None:
+            self.engine.clear()
 
     def _count_retry(self) -> None:
         """Count one device-call retry (``stats["retries"]``)."""
         self.stats["retries"] += 1
 
-    def _run(self, plan: StepPlan) -> np.ndarray:
-        """Run ``plan`` on the device; return the logits of :meth:`StepPlan.sampled`, in order."""
+    def _run(self, plan: DevicePlan) -> np.ndarray:
+        """Run ``plan`` on the device; return the logits of :meth:`DevicePlan.sampled`, in order."""
         raise NotImplementedError
 
-    def sample_tokens(self, grammar_output):
-        """The step :meth:`execute_model` left for vLLM's grammar bitmask, sampled under it
-        (:class:`vllm_npu.step_output.StepOutputs`)."""
-        return self.outputs.sample_tokens(grammar_output)
+    # ------------------------------------------------------------------ the device runner
 
-    def execute_model(self, scheduler_output):
-        from vllm.v1.outputs import ModelRunnerOutput
+    def admit(self, new: Any) -> Seq:
+        assert self.table is not None
+        return self.table.admit(Seq(**new_request_fields(new)))
 
-        so = scheduler_output
+    def finish(self, req: Request) -> None:
+        assert self.table is not None
+        self.table.finish(req.req_id)
+
+    def preempt(self, req: Request) -> None:
+        assert self.table is not None
+        self.table.preempt(req.req_id)
+
+    def resume(self, req: Request) -> None:
+        assert self.table is not None
+        self.table.resumed(req)  # type: ignore[arg-type]
+
+    def run_step(self, plan: StepPlan) -> StepResult:
+        """The table's device plan of the step (prefills one at a time, one padded decode),
+        run; the logits reordered to the step's sampling rows."""
         table = self.table
-        assert table is not None and self.sampler is not None
-        for rid in so.finished_req_ids:
-            table.finish(rid)
-        for rid in so.preempted_req_ids or ():
-            table.preempt(rid)
-        for new in so.scheduled_new_reqs:
-            params = new.sampling_params
-            gen = request_generator(params)
-            table.add(new.req_id, new.prompt_token_ids or [], params, gen, new.block_ids[0], new.num_computed_tokens)
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            blocks = cached.new_block_ids[i]
-            all_ids = cached.all_token_ids.get(rid) if cached.all_token_ids else None
-            table.update(rid, blocks[0] if blocks else None, rid in cached.resumed_req_ids,
-                         cached.num_computed_tokens[i], all_ids)
-        order = list(so.num_scheduled_tokens)
-        if not order:
-            return ModelRunnerOutput(req_ids=[], req_id_to_index={})
+        assert table is not None
         self.stats["steps"] += 1
-        plan = table.plan(dict(so.num_scheduled_tokens))
-        logits = self._run(plan)
-        table.done(plan)
-
-        index = {rid: i for i, rid in enumerate(order)}
-        seqs = plan.sampled()
-        return self.outputs.emit(StepSample(
-            so, order, rows=[index[s.req_id] for s in seqs], logits=logits if seqs else None,
-            reqs=[SampleRequest(s.params, s.prompt_ids, s.output_ids, s.generator) for s in seqs],
-            outputs=[s.output_ids for s in seqs]))
+        device = table.plan(plan.num_scheduled)
+        logits = self._run(device)
+        table.done(device)
+        seqs = device.sampled()
+        if not seqs:
+            return StepResult()
+        row = {s.req_id: i for i, s in enumerate(seqs)}
+        return StepResult(logits=logits[[row[r.req.req_id] for r in plan.sampling]])
 
 
 class RblnOptimumWorker(RblnStepWorker):
@@ -187,7 +192,7 @@ class RblnOptimumWorker(RblnStepWorker):
         self.table = SequenceTable(blocks, self.spec.block_size, self.spec.max_seq_len, self.spec.decoder_batch_sizes,
                                    prefix_chunk=self.spec.prefill_chunk_size if prefix else None)
         self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
-        self.outputs = StepOutputs(self.sampler)
+        self._start_engine()
         logger.info("RBLN model %s: %d KV blocks of %d tokens, max_seq_len %d, prefill chunk %d, "
                     "decoders %s, attention %s", self.spec.model_class, blocks, self.spec.block_size,
                     self.spec.max_seq_len, self.spec.prefill_chunk_size, list(self.spec.decoder_batch_sizes),
@@ -223,8 +228,7 @@ class RblnOptimumWorker(RblnStepWorker):
 
     def shutdown(self) -> None:
         self.model = None
-        if self.table is not None:
-            self.table.seqs.clear()
+        self._forget_requests()
 
     # ------------------------------------------------------------------ the step
 
@@ -232,8 +236,8 @@ class RblnOptimumWorker(RblnStepWorker):
         """``fn()`` under :data:`DEVICE_RETRY` (see the module docstring)."""
         return DEVICE_RETRY.call(what, fn, on_retry=self._count_retry)
 
-    def _run(self, plan: StepPlan) -> np.ndarray:
-        """Run ``plan``; return the last-position logits of :meth:`StepPlan.sampled`, in order."""
+    def _run(self, plan: DevicePlan) -> np.ndarray:
+        """Run ``plan``; return the last-position logits of :meth:`DevicePlan.sampled`, in order."""
         rows: list[np.ndarray] = []
         for p in plan.prefills:
             if p.copies or p.start:

@@ -1,0 +1,166 @@
+"""The one step engine (:mod:`vllm_npu.step_engine`) with a tiny device runner beside the real ones:
+``CountingRunner``'s logits make the next token ``last + 1`` (mod the vocabulary), so every
+output is known in advance. The scheduler is the shared :class:`step_driver.Driver`, which the
+device workers' cases use too.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm")
+
+from step_driver import Driver, greedy  # noqa: E402
+
+from vllm_npu.host_sampling import HostSampler  # noqa: E402
+from vllm_npu.step_engine import Request, RunnerHooks, StepEngine, StepPlan, StepResult, StepStateError  # noqa: E402
+from vllm_npu.step_output import StepOutputs, raw_logprobs  # noqa: E402
+
+VOCAB = 64
+
+
+class CountingRunner(RunnerHooks):
+    """Logits whose argmax is the row's last token + 1; records every hook and plan."""
+
+    def __init__(self, device_samples: bool = False) -> None:
+        self.device_samples = device_samples
+        self.events: list[tuple[str, str]] = []
+        self.plans: list[list[tuple[str, int, int, bool]]] = []
+
+    def admit(self, new):
+        self.events.append(("admit", new.req_id))
+        return super().admit(new)
+
+    def finish(self, req):
+        self.events.append(("finish", req.req_id))
+
+    def preempt(self, req):
+        self.events.append(("preempt", req.req_id))
+
+    def resume(self, req):
+        self.events.append(("resume", req.req_id))
+
+    def run_step(self, plan: StepPlan) -> StepResult:
+        self.plans.append([(r.req.req_id, r.start, r.end, r.samples) for r in plan.rows])
+        rows = plan.sampling
+        if not rows:
+            return StepResult()
+        logits = np.zeros((len(rows), VOCAB), np.float32)
+        nxt = [(r.req.all_ids[r.end - 1] + 1) % VOCAB for r in rows]
+        logits[np.arange(len(rows)), nxt] = 10.0
+        if self.device_samples:
+            return StepResult(logits=logits, tokens=[[t] for t in nxt])
+        return StepResult(logits=logits)
+
+
+def counted(prompt, n):
+    out, last = [], prompt[-1]
+    for _ in range(n):
+        last = (last + 1) % VOCAB
+        out.append(last)
+    return out
+
+
+def engine_and_driver(device_samples=False, chunk=4, block_size=4, num_blocks=64):
+    runner = CountingRunner(device_samples)
+    outputs = None if device_samples else StepOutputs(HostSampler(VOCAB))
+    engine = StepEngine(runner, outputs)
+    worker = SimpleNamespace(execute_model=engine.execute, sample_tokens=engine.sample_tokens)
+    return runner, engine, Driver(worker, chunk, block_size=block_size, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("device_samples", [False, True])
+def test_chunked_prompts_sample_only_at_their_end(device_samples):
+    runner, engine, d = engine_and_driver(device_samples)
+    d.add("a", [5, 6, 7, 8, 9, 10], greedy(3))
+    d.add("b", [20, 21], greedy(3))
+    outs = d.run()
+    assert outs == {"a": counted([10], 3), "b": counted([21], 3)}
+    # step 1: a computes [0, 4) (no sample), b its whole prompt; step 2: a [4, 6) samples
+    assert runner.plans[0] == [("a", 0, 4, False), ("b", 0, 2, True)]
+    assert runner.plans[1] == [("a", 4, 6, True), ("b", 2, 3, True)]
+    assert engine.reqs["a"].output_ids == outs["a"] and engine.reqs["a"].blocks == [1, 3], "b took block 2 in step 1"
+    d.flush()
+    assert not engine.reqs and ("finish", "a") in runner.events
+
+
+def test_events_apply_in_vllms_order_and_a_resumed_request_gets_its_tokens_back():
+    runner, engine, d = engine_and_driver()
+    d.add("a", [1, 2, 3], greedy(5))
+    d.add("b", [30, 31], greedy(5))
+    d.step()
+    d.step()
+    d.preempt("a")
+    d.add("c", [40], greedy(1))
+    d.step(["b", "c"])
+    assert runner.events[-2:] == [("preempt", "a"), ("admit", "c")]
+    assert engine.reqs["a"].blocks == [1], "a keeps its stale record until it resumes"
+    d.resume("a")
+    runner.events.clear()
+    d.step(["a", "b"])
+    assert runner.events == [("finish", "c"), ("resume", "a")]
+    a = engine.reqs["a"]
+    # its outputs came back from vLLM's token list; 4 of its 5 tokens recomputed, no sample yet
+    assert a.output_ids == counted([3], 2) and a.num_computed == 4
+    assert runner.plans[-1][0] == ("a", 0, 4, False)
+    assert a.blocks == d.reqs["a"].blocks, "resumed on the blocks vLLM handed it anew"
+    assert d.run(["a", "b"]) == {"a": counted([3], 5), "b": counted([31], 5)}
+
+
+def test_scheduler_and_table_disagreeing_is_a_step_state_error():
+    _runner, engine, d = engine_and_driver()
+    d.add("a", [1, 2, 3], greedy(2))
+    so, _ = d.schedule()
+    so.num_scheduled_tokens["a"] = 4
+    with pytest.raises(StepStateError, match="scheduled up to 4, but it has 3 tokens"):
+        engine.execute(so)
+    d2 = engine_and_driver()[2]
+    d2.add("ghost", [1, 2], greedy(1))
+    so, _ = d2.schedule()
+    so.scheduled_new_reqs.clear()
+    with pytest.raises(StepStateError, match="req_id=ghost is scheduled but was never added"):
+        engine.execute(so)
+
+
+def test_a_device_answering_the_wrong_rows_is_a_step_state_error():
+    class Short(CountingRunner):
+        def run_step(self, plan):
+            return StepResult(logits=np.zeros((0, VOCAB), np.float32))
+
+    engine = StepEngine(Short(), StepOutputs(HostSampler(VOCAB)))
+    d = Driver(SimpleNamespace(execute_model=engine.execute, sample_tokens=engine.sample_tokens), 8)
+    d.add("a", [1, 2], greedy(1))
+    with pytest.raises(StepStateError, match="0 logits rows for 1 sampling requests"):
+        d.step()
+
+
+def test_device_sampled_steps_never_wait_for_a_bitmask():
+    engine = StepEngine(CountingRunner(device_samples=True))
+    with pytest.raises(RuntimeError, match="no step waits for sample_tokens"):
+        engine.sample_tokens(None)
+
+
+def test_raw_logprobs_are_the_log_softmax_of_the_device_logits():
+    rng = np.random.default_rng(0)
+    logits = rng.normal(size=(2, VOCAB)).astype(np.float32)
+    params = [SimpleNamespace(logprobs=3), SimpleNamespace(logprobs=None)]
+    lists = raw_logprobs(logits, params, [7, 9], [1, 0], 3)
+    x = logits.astype(np.float64)
+    ref = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    assert lists.logprob_token_ids[1, 0] == 7 and np.isclose(lists.logprobs[1, 0], ref[0, 7], atol=1e-6)
+    top = np.argsort(-ref[0])[:3]
+    assert list(lists.logprob_token_ids[1, 1:]) == list(top)
+    assert lists.sampled_token_ranks[1] == int((ref[0] > ref[0, 7]).sum()) + 1
+    assert not lists.logprob_token_ids[2].any(), "a request the step did not sample has a zero row"
+
+
+def test_a_request_record_reads_its_tokens():
+    r = Request("r", [1, 2, 3], None, output_ids=[4, 5])
+    assert r.all_ids == [1, 2, 3, 4, 5] and r.num_tokens == 5 and r.token_ids(2, 4) == [3, 4]
+    r.apply_cached([7], resumed=False, num_computed=4)
+    assert r.blocks == [7] and r.num_computed == 4
+    r.apply_cached([9, 10], resumed=True, num_computed=0, all_token_ids=[1, 2, 3, 4])
+    assert r.blocks == [9, 10] and r.output_ids == [4]
