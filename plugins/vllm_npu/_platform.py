@@ -145,7 +145,6 @@ class NpuPlatform(Platform):
 
 
 def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: type[Exception],
-                     prompt_logprobs_reason: str = "", serves_prompt_logprobs: bool = False,
                      serves_prompt_embeds: bool = False) -> None:
     """What a device worker with host sampling (:mod:`vllm_npu.host_sampling`) cannot honour,
     refused in ``Platform.validate_request`` so that vLLM answers HTTP 400 naming it.
@@ -154,19 +153,17 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         worker: the worker's name in messages (``MBLT worker``).
         error: the device's request-error class (a ``VLLMValidationError`` subclass taking
             ``parameter=``; anything else becomes an HTTP 500).
-        prompt_logprobs_reason: appended to the prompt-logprobs refusal (why).
-        serves_prompt_logprobs: the worker returns ``prompt_logprobs`` (MBLT); else they are
-            refused.
         serves_prompt_embeds: the worker takes ``prompt_embeds`` (MBLT: its MXQs take
             embeddings from the host); else they are refused.
 
     Raises:
-        error: pooling requests, prompt embeddings, prompt logprobs (unless served),
+        error: pooling requests, prompt embeddings (unless served),
             ``prompt_logprob_token_ids`` or ``thinking_token_budget`` (each named;
             ``parameter`` is the first). ``min_p``, ``min_tokens``, ``logit_bias``,
             ``allowed_token_ids``, ``logprob_token_ids`` and structured outputs are served:
             vLLM's own logits processors, masks and grammar bitmask run in
-            :mod:`vllm_npu.host_sampling`.
+            :mod:`vllm_npu.host_sampling`; prompt logprobs are scored by every worker
+            (:mod:`vllm_npu.prompt_logprobs`).
     """
     from vllm.sampling_params import SamplingParams
 
@@ -177,8 +174,6 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         raise error(f"the {worker} takes token prompts only: prompt_embeds is not supported",
                     parameter="prompt_embeds")
     refused: list[tuple[str, str]] = []  # (parameter, text)
-    if params.prompt_logprobs is not None and not serves_prompt_logprobs:
-        refused.append(("prompt_logprobs", f"prompt_logprobs={params.prompt_logprobs}{prompt_logprobs_reason}"))
     if getattr(params, "prompt_logprob_token_ids", None) is not None:
         refused.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids"))
     if getattr(params, "thinking_token_budget", None) not in (None, -1):  # -1: unlimited, i.e. unset
@@ -187,7 +182,7 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
         raise error(
             f"the {worker} samples on the host with vLLM's sampler, logits processors and grammar "
             "bitmask (temperature, top_p, top_k, min_p, seed, penalties, bad_words, min_tokens, "
-            "logit_bias, allowed_token_ids, logprobs, logprob_token_ids, structured outputs), not yet "
+            "logit_bias, allowed_token_ids, logprobs, logprob_token_ids, prompt logprobs, structured outputs), not yet "
             "with prompt_logprob_token_ids or a thinking budget (issue 41); refused: "
             + ", ".join(t for _p, t in refused),
             parameter=refused[0][0],

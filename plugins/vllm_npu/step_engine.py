@@ -10,6 +10,9 @@ Every NPU worker answers vLLM's ``execute_model`` / ``sample_tokens`` through a
 * **the step plan** (:class:`StepPlan`): per scheduled request, the tokens ``[start, end)`` the
   step computes, and whether the request samples (``end`` reaches its last token: a prompt's
   earlier chunks sample nothing, as in vLLM);
+* **prompt logprobs**: a request that asks gets a :class:`vllm_npu.prompt_logprobs.PromptLogprobs`
+  (:attr:`Request.prompt_logprobs`), which the device fills as it computes the prompt's
+  positions; the step that completes the prompt returns its rows;
 * **the output builder**: host sampling with vLLM's sampler and grammar bitmask
   (:class:`vllm_npu.step_output.StepOutputs`), or the tokens the device sampled
   (:func:`vllm_npu.step_output.device_tokens_output`).
@@ -35,7 +38,7 @@ This module imports neither torch nor the device runtimes; vLLM only to build ou
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -65,6 +68,8 @@ class Request:
         penalty_prompt_ids: the prompt ids the sampler's penalties read, when some prompt
             positions are placeholders (prompt embeddings: the vocabulary size, vLLM's padding
             id); None: ``prompt_ids``.
+        prompt_logprobs: the prompt-logprob rows the device fills (None: not asked, or already
+            returned).
     """
 
     req_id: str
@@ -75,6 +80,7 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     penalty_prompt_ids: list[int] | None = None
+    prompt_logprobs: Any = None
 
     @property
     def all_ids(self) -> list[int]:
@@ -176,12 +182,10 @@ class StepResult:
             samples them.
         tokens: the tokens the device chose per sampling row (on-device sampling: one each;
             speculative rounds: several), or None for host sampling.
-        prompt_logprobs: request id -> vLLM's ``LogprobsTensors`` of a prompt this step completed.
     """
 
     logits: np.ndarray | None = None
     tokens: Sequence[Sequence[int]] | None = None
-    prompt_logprobs: Mapping[str, Any] = field(default_factory=dict)
 
 
 class DeviceRunner(Protocol):
@@ -227,15 +231,18 @@ class StepEngine:
         runner: the device runner.
         outputs: the host sampler's output builder (:class:`vllm_npu.step_output.StepOutputs`);
             None when the device samples (its :class:`StepResult` carries tokens).
+        vocab_size: the logits width (top-``k`` of prompt logprobs is capped at it); None: no
+            request is given prompt-logprob rows (a runner whose platform refuses them).
 
     Attributes:
         reqs: request id -> record, for every request vLLM has admitted and not finished.
         steps: steps that scheduled at least one request.
     """
 
-    def __init__(self, runner: DeviceRunner, outputs: Any = None) -> None:
+    def __init__(self, runner: DeviceRunner, outputs: Any = None, vocab_size: int | None = None) -> None:
         self.runner = runner
         self.outputs = outputs
+        self.vocab_size = vocab_size
         self.reqs: dict[str, Request] = {}
         self.steps = 0
 
@@ -254,7 +261,12 @@ class StepEngine:
             if req is not None:
                 self.runner.preempt(req)
         for new in so.scheduled_new_reqs:
-            self.reqs[new.req_id] = self.runner.admit(new)
+            req = self.runner.admit(new)
+            if self.vocab_size is not None:
+                from vllm_npu.prompt_logprobs import prompt_logprobs_of
+
+                req.prompt_logprobs = prompt_logprobs_of(req.req_id, req.params, req.prompt_ids, self.vocab_size)
+            self.reqs[new.req_id] = req
         cached = so.scheduled_cached_reqs
         for i, rid in enumerate(cached.req_ids):
             req = self.reqs.get(rid)
@@ -321,8 +333,14 @@ class StepEngine:
 
         sampling = plan.sampling
         index = {rid: i for i, rid in enumerate(plan.order)}
+        prompt_logprobs = {}
+        for row in plan.rows:  # the step that completes a prompt returns its prompt logprobs
+            req = row.req
+            if req.prompt_logprobs is not None and row.end >= len(req.prompt_ids):
+                prompt_logprobs[req.req_id] = req.prompt_logprobs.tensors()
+                req.prompt_logprobs = None
         if result.tokens is not None or self.outputs is None:
-            return device_tokens_output(plan, sampling, result)
+            return device_tokens_output(plan, sampling, result, prompt_logprobs)
         logits = result.logits
         if sampling and (logits is None or len(logits) != len(sampling)):
             got = None if logits is None else len(logits)
@@ -330,7 +348,7 @@ class StepEngine:
         return self.outputs.emit(StepSample(
             plan.scheduler_output, plan.order, rows=[index[r.req.req_id] for r in sampling],
             logits=logits if sampling else None, reqs=[r.req.sample_request() for r in sampling],
-            outputs=[r.req.output_ids for r in sampling], prompt_logprobs=dict(result.prompt_logprobs)))
+            outputs=[r.req.output_ids for r in sampling], prompt_logprobs=prompt_logprobs))
 
     def clear(self) -> None:
         """Forget every request and any step waiting for a bitmask (the worker shuts down)."""

@@ -120,7 +120,8 @@ class StepOutputs:
                                  prompt_logprobs_dict=dict(step.prompt_logprobs))
 
 
-def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any):
+def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any,
+                         prompt_logprobs: Mapping[str, Any] | None = None):
     """The ``ModelRunnerOutput`` of a step whose device chose the tokens.
 
     Args:
@@ -129,6 +130,7 @@ def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any):
         result: the device's :class:`vllm_npu.step_engine.StepResult`; ``result.tokens[k]`` are
             row ``k``'s tokens (appended to its record's outputs); with ``result.logits`` the
             rows that asked for logprobs get the raw logprobs of their (single) token.
+        prompt_logprobs: request id -> vLLM's ``LogprobsTensors`` of a prompt the step completed.
 
     Raises:
         RuntimeError: a token list per sampling row is missing.
@@ -150,7 +152,7 @@ def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any):
         logprobs = raw_logprobs(result.logits, [r.req.params for r in sampling], [t[0] for t in tokens],
                                 [index[r.req.req_id] for r in sampling], len(order))
     return ModelRunnerOutput(req_ids=list(order), req_id_to_index=index, sampled_token_ids=sampled,
-                             logprobs=logprobs, prompt_logprobs_dict=dict(result.prompt_logprobs))
+                             logprobs=logprobs, prompt_logprobs_dict=dict(prompt_logprobs or {}))
 
 
 def raw_logprobs(logits: np.ndarray, params: Sequence[Any], toks: Sequence[int], where: Sequence[int],

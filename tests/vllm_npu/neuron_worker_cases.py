@@ -157,3 +157,29 @@ def test_cpu_sampling_parameters_take_effect(cpu_worker):
     (p,) = prompts(4, 15)
     d.add("bias", p, SamplingParams(temperature=0.0, max_tokens=4, logit_bias={77: 100.0}))
     assert serve(d, ["bias"])["bias"] == [77] * 4
+
+
+def golden_prompt_logprobs(hf_dir, prompt):
+    """log P(prompt[i] | prompt[:i]) for i >= 1 from the golden decoder (float64)."""
+    dec = Decoder.from_pretrained(hf_dir)
+    logits = np.asarray(dec.prefill(prompt, dec.new_cache(len(prompt))), np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return np.array([logits[i - 1, prompt[i]] - logz[i - 1] for i in range(1, len(prompt))])
+
+
+@pytest.mark.parametrize("sampling", ["on-device", "cpu"])
+def test_prompt_logprobs_equal_golden(request, hf_dir, golden, sampling):
+    """The NEFFs return the logits at ``last_token_index`` only: each prompt token is one 1-token
+    prefill, scored; the request's greedy output stays golden."""
+    from vllm import SamplingParams
+
+    w = request.getfixturevalue("worker" if sampling == "on-device" else "cpu_worker")
+    d = Driver(w, SEGMENT, block_size=BLOCK, num_blocks=BLOCKS)
+    (p,) = prompts(6, 17)
+    d.add("p", p, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=1))
+    out = d.step(["p"])
+    t = out.prompt_logprobs_dict["p"]
+    ids, values = t.logprob_token_ids, t.logprobs
+    assert ids.shape == (16, 2) and ids[:, 0].tolist() == p[1:]
+    assert np.abs(values[:, 0].numpy() - golden_prompt_logprobs(hf_dir, p)).max() <= 2e-4
+    assert serve(d, ["p"])["p"] == golden(p, 3)

@@ -135,3 +135,35 @@ def test_a_request_the_worker_never_saw_is_a_step_state_error(worker):
                          finished_req_ids=set(), free_encoder_mm_hashes=[])
     with pytest.raises(StepStateError, match="ghost"):
         worker.execute_model(so)
+
+
+def golden_prompt_logprobs(hf_dir, prompt):
+    """log P(prompt[i] | prompt[:i]) for i >= 1 from the golden decoder (float64)."""
+    dec = Decoder.from_pretrained(hf_dir)
+    logits = np.asarray(dec.prefill(prompt, dec.new_cache(len(prompt))), np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    return np.array([logits[i - 1, prompt[i]] - logz[i - 1] for i in range(1, len(prompt))])
+
+
+def test_prompt_logprobs_equal_golden_beside_a_decoding_request(worker, hf_dir, golden):
+    """The compiled prefill returns the last position's logits: the worker prefills the first
+    token and feeds each later one through the batch-1 decoder, scoring every position, while
+    another request decodes; both outputs stay golden."""
+    from vllm import SamplingParams
+
+    d = driver(worker, chunk=9)
+    p, q = prompts(5, 21, 13)
+    d.add("q", q, greedy(6))
+    d.step(["q"])
+    d.add("p", p, SamplingParams(temperature=0.0, max_tokens=3, prompt_logprobs=2))
+    rows = {}
+    while not d.reqs["p"].done or not d.reqs["q"].done:
+        out = d.step([r for r in ("p", "q") if not d.reqs[r].done])
+        rows.update(out.prompt_logprobs_dict)
+    d.flush()
+    assert d.reqs["p"].out == golden(p, 3) and d.reqs["q"].out == golden(q, 6)
+    t = rows["p"]
+    ids, values = t.logprob_token_ids, t.logprobs
+    assert ids.shape == (20, 3) and ids[:, 0].tolist() == p[1:]
+    assert np.abs(values[:, 0].numpy() - golden_prompt_logprobs(hf_dir, p)).max() <= 2e-4
+    assert worker.stats["prompt_logprob_microsteps"] >= 21

@@ -25,7 +25,7 @@ pytest.importorskip("vllm")
 from _side_serve import SideServe  # noqa: E402
 from npu_conformance import vllm_server  # noqa: E402
 from vllm_npu.mblt.moe_backend import BATCH_REFUSAL  # noqa: E402
-from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING  # noqa: E402
+from vllm_npu.mblt.worker import MICROSTEP_WARNING  # noqa: E402
 
 N_NEW = 10
 PROMPTS = [[1, 5, 9, 33, 70, 2, 11], [(13 * i + 7) % 1000 + 1 for i in range(40)],

@@ -42,7 +42,7 @@ def test_refusals_none_for_supported():
               "stop": ["\n"], "ignore_eos": True, "n": 1, "logprobs": 5,
               "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0,
               "min_p": 0.0, "logit_bias": None, "allowed_token_ids": None, "bad_words": [],
-              "min_tokens": 0, "prompt_logprobs": None, "structured_outputs": {"json": {}}}
+              "min_tokens": 0, "prompt_logprobs": 3, "structured_outputs": {"json": {}}}
     assert S.ods_refusals(fields) == []
     assert S.ods_refusals({}) == []
 
@@ -57,7 +57,6 @@ def test_refusals_none_for_supported():
     ("bad_words", ["x"], "logits are not masked on device"),
     ("logits_processors", ["p"], "logits never reach the host"),
     ("min_tokens", 3, "EOS is not suppressed on device"),
-    ("prompt_logprobs", 0, "not implemented"),
 ])
 def test_each_refusal(param, value, why):
     assert S.ods_refusals({param: value}) == [(param, (

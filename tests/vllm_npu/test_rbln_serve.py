@@ -81,12 +81,19 @@ def test_streamed_completion_equals_unstreamed(client, llama_server):
     assert text == whole.choices[0].text
 
 
-def test_refused_parameter_is_a_400_naming_it(client, llama_server):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=llama_server.model, prompt="hi", max_tokens=4, temperature=0.8,
-                                  extra_body={"prompt_logprobs": 1})
-    assert "prompt_logprobs" in str(info.value) and "RBLN" in str(info.value)
-    assert client.completions.create(model=llama_server.model, prompt="hi", max_tokens=2).choices
+def test_prompt_logprobs_equal_golden(client, llama_server, llama_golden):
+    """The compiled prefill returns the last position's logits: the worker prefills the first
+    prompt token and feeds each later one through the batch-1 decoder, scoring each."""
+    import numpy as np
+
+    prompt = _prompt(12, 9)
+    res = client.completions.create(model=llama_server.model, prompt=prompt, max_tokens=1, temperature=0,
+                                    echo=True, logprobs=1)
+    got = res.choices[0].logprobs.token_logprobs[1:len(prompt)]
+    logits = np.asarray(llama_golden.prefill(prompt, llama_golden.new_cache(len(prompt))), np.float64)
+    logz = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+    want = [logits[i - 1, prompt[i]] - logz[i - 1] for i in range(1, len(prompt))]
+    assert max(abs(a - b) for a, b in zip(got, want)) <= 1e-3
 
 
 @pytest.fixture(scope="module")

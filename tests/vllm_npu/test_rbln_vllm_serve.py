@@ -119,11 +119,12 @@ def test_a_prefix_hit_reads_vllms_shared_blocks(client, server, golden):
     assert re.search(r"RBLN prefix cache: req \S+ reuses 256 of 286 tokens", log), log[-2000:]
 
 
-def test_refused_parameter_is_a_400_and_no_graph_compiles_after_warm_up(client, server):
-    with pytest.raises(openai.BadRequestError) as info:
-        client.completions.create(model=server.model, prompt="hi", max_tokens=4,
-                                  extra_body={"prompt_logprobs": 1})
-    assert "prompt_logprobs" in str(info.value) and "RBLN" in str(info.value)
+def test_host_sampling_and_prompt_logprobs_compile_no_graph_after_warm_up(client, server):
+    # prompt logprobs: the LM head of every row of each prefill chunk (the graphs are the same)
+    scored = client.completions.create(model=server.model, prompt="hi there, you", max_tokens=1, temperature=0,
+                                       echo=True, logprobs=1)
+    token_logprobs = scored.choices[0].logprobs.token_logprobs
+    assert token_logprobs[0] is None and all(isinstance(x, float) for x in token_logprobs[1:])
     # vLLM's logits processors run in the vllm path's host sampler too: +100 forces the token
     forced = client.completions.create(model=server.model, prompt="hi", max_tokens=4, temperature=0,
                                        logit_bias={"123": 100}, extra_body={"ignore_eos": True,

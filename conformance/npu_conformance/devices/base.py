@@ -9,7 +9,6 @@ A device module (``devices/<device>.py``) subclasses :class:`DeviceLab` and supp
   hardware (scenarios then compare with the same request sent alone);
 - :attr:`DeviceLab.refusals`: the request parameters its plugin refuses (each must be a 400
   naming the parameter, streamed or not);
-- :attr:`DeviceLab.serves_prompt_logprobs`: whether it scores prompt positions, or refuses them;
 - :meth:`DeviceLab.fault`: how to start a server with an injected device fault, or
   :class:`FaultsUnsupported` with the reason.
 
@@ -51,13 +50,6 @@ class Refusal:
     body: Mapping[str, Any]
     endpoint: str = "completions"
 
-
-#: The prompt logprobs a worker that cannot score prompt positions refuses (RBLN, Neuron: their
-#: compiled programs return the last position's logits only). MBLT serves them.
-PROMPT_LOGPROBS_REFUSALS: tuple[Refusal, ...] = (
-    Refusal("prompt_logprobs", {"prompt_logprobs": 1}),
-    Refusal("prompt_logprobs", {"echo": True, "logprobs": 1}),
-)
 
 #: The sampling parameters vLLM's logits processors, mask and grammar bitmask serve on the host
 #: (:mod:`vllm_npu.host_sampling`) and a device sampling on the device refuses (Neuron's
@@ -154,9 +146,6 @@ class DeviceLab:
     max_model_len: ClassVar[int] = 1024
     #: The parameters this device's plugin refuses (HTTP 400 naming each).
     refusals: ClassVar[tuple[Refusal, ...]] = ()
-    #: Whether its plugin scores prompt positions (``prompt_logprobs``, ``echo`` with
-    #: ``logprobs``); when False, :data:`PROMPT_LOGPROBS_REFUSALS` must be among :attr:`refusals`.
-    serves_prompt_logprobs: ClassVar[bool] = False
     #: Whether its plugin takes ``prompt_embeds`` on :meth:`sampler_server` (else it refuses
     #: them with a 400 naming ``prompt_embeds``).
     serves_prompt_embeds: ClassVar[bool] = False

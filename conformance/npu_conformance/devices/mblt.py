@@ -108,7 +108,6 @@ class MbltLab(DeviceLab):
     #: needs a temperature: vLLM clears it for greedy requests before the platform sees them.
     refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
     serves_prompt_embeds: ClassVar[bool] = True  # its MXQs take embeddings from the host
-    serves_prompt_logprobs: ClassVar[bool] = True  # one infer per chunk, or the seed's 1-token microsteps
     #: Whether simulated artifacts carry the Hub releases' remote-code entry (``auto_map`` and
     #: the proxy module: ``mxq compile --hub-proxy``), which vLLM needs without our plugin.
     hub_proxy: ClassVar[bool] = False

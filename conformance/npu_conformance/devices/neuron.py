@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, LOGITS_PROCESSOR_REFUSALS, PROMPT_LOGPROBS_REFUSALS, HOST_SERVING_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, LOGITS_PROCESSOR_REFUSALS, HOST_SERVING_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_NEURON_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -36,7 +36,6 @@ SERVING_ARGS: tuple[str, ...] = ("--max-num-batched-tokens", "512", "--max-num-s
 
 #: What ``NeuronPlatform.validate_request`` refuses with on-device sampling (the default).
 ODS_REFUSALS: tuple[Refusal, ...] = (
-    *PROMPT_LOGPROBS_REFUSALS,
     *HOST_SAMPLER_REFUSALS,
     *LOGITS_PROCESSOR_REFUSALS,
     Refusal("presence_penalty", {"presence_penalty": 0.5}),
@@ -51,7 +50,7 @@ CPU_SAMPLING_ARGS: tuple[str, ...] = (
 #: What ``NeuronPlatform.validate_request`` refuses with CPU sampling: the host sampler's rules,
 #: and structured outputs, which the guide says need on-device sampling (no logit mask without).
 CPU_SAMPLING_REFUSALS: tuple[Refusal, ...] = (
-    *PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS,
+    *HOST_SAMPLER_REFUSALS,
     Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
     Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
 )

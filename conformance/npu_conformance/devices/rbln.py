@@ -27,7 +27,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, PROMPT_LOGPROBS_REFUSALS, HOST_SERVING_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, HOST_SERVING_ARGS, DeviceLab, FaultPlan, FaultsUnsupported, Refusal, TinyModelLab
 
 MODEL_ENV = "NPU_HARNESS_RBLN_MODEL"
 #: ``vllm serve`` arguments of the standard server (beside ``--max-model-len``).
@@ -60,7 +60,7 @@ class RblnLab(TinyModelLab):
     #: Whether the platform writes its plan into ``additional_config`` (``npu_harness_rbln_plan``).
     writes_plan: ClassVar[bool] = True
     #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
-    refusals: ClassVar[tuple[Refusal, ...]] = (*PROMPT_LOGPROBS_REFUSALS, *HOST_SAMPLER_REFUSALS)
+    refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
 
     def serving_server(self) -> vs.Server:
         """The standard server, which also samples on the host (with vLLM's tool-call parser)."""

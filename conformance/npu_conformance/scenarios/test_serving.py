@@ -65,7 +65,7 @@ import pytest
 
 from npu_conformance import devices
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import PROMPT_LOGPROBS_REFUSALS, DeviceLab, FaultsUnsupported
+from npu_conformance.devices.base import DeviceLab, FaultsUnsupported
 
 pytestmark = pytest.mark.scenario(devices=devices.SERVING_DEVICES)
 
@@ -644,15 +644,6 @@ def _golden_prompt_logprobs(lab: DeviceLab, prompt: list[int]) -> list[float] | 
 def test_prompt_logprobs(target, record, device_labs):
     lab = _lab(device_labs, target)
     server = lab.serving_server()
-    if not lab.serves_prompt_logprobs:
-        missing = [r for r in PROMPT_LOGPROBS_REFUSALS if r not in lab.refusals]
-        assert not missing, f"{lab.device} neither serves nor lists the refusal of {missing}"
-        for refusal in PROMPT_LOGPROBS_REFUSALS:
-            status, message = _send(server, "completions", _body(refusal.body, server, lab, "completions"),
-                                    "application/json")
-            assert status == 400 and "prompt_logprobs" in message, (refusal, status, message)
-        record.figure("prompt_logprobs_refused", len(PROMPT_LOGPROBS_REFUSALS))
-        return
     prompts = _prompts(PROMPT_LOGPROBS_REQUESTS, 20, seed=55)
     beside = _prompts(PROMPT_LOGPROBS_REQUESTS, 30, seed=56)
     with cf.ThreadPoolExecutor(2 * PROMPT_LOGPROBS_REQUESTS) as ex:  # echo and greedy requests together

@@ -489,7 +489,7 @@ class MbltPlatform(NpuPlatform):
             MbltRequestError: pooling requests, ``prompt_logprob_token_ids`` or
                 ``thinking_token_budget`` (each named), prompt embeddings for a VLM or ASR
                 release (:data:`PROMPT_EMBEDS_MM_REFUSAL`). Prompt logprobs
-                (:mod:`vllm_npu.mblt.prompt_logprobs`) and prompt embeddings of a text or MoE
+                (:mod:`vllm_npu.prompt_logprobs`) and prompt embeddings of a text or MoE
                 release (the MXQ takes embeddings from the host) are served.
         """
         if cls._eagle3_engine():
@@ -502,7 +502,7 @@ class MbltPlatform(NpuPlatform):
                 raise MbltRequestError("prompt_logprobs score a prompt's token ids, and a prompt sent as "
                                        "prompt_embeds has none", parameter="prompt_logprobs")
         refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError,
-                         serves_prompt_logprobs=True, serves_prompt_embeds=True)
+                         serves_prompt_embeds=True)
         if cls._serving_vlm is not None:
             cls._validate_vlm(processed_inputs, params)
 

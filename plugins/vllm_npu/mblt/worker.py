@@ -42,7 +42,7 @@ An item vLLM's prefix cache covers may arrive without its pixels; its KV must th
 prefix snapshot, which is loaded whatever the cost model says.
 
 Prompt logprobs (``prompt_logprobs``, and ``echo`` with logprobs) are scored as the prompt is
-computed (:mod:`vllm_npu.mblt.prompt_logprobs`): one infer per chunk on an MXQ that emits every
+computed (:mod:`vllm_npu.prompt_logprobs`): one infer per chunk on an MXQ that emits every
 position's logits, else the seed's 1-token microstep path for that request (the others in its
 dispatch keep their chunk width). vLLM never gives such a request a prefix-cache hit, so it is
 never started from a snapshot; when it finishes, its KV becomes a snapshot like any other.
@@ -74,7 +74,6 @@ from vllm_npu.mblt.eagle3_backend import Eagle3Backend, Eagle3Release, is_eagle3
 from vllm_npu.mblt.moe_backend import BATCH_REFUSAL, MoeBackend, MoePlacement, is_moe_release
 from vllm_npu.host_threads import limit_host_blas_threads
 from vllm_npu.mblt.platform import artifact_config
-from vllm_npu.mblt.prompt_logprobs import MICROSTEP_WARNING, PromptLogprobs
 from vllm_npu.mblt.runtime import load_runtime
 from vllm_npu.mblt.vlm import is_vlm_release
 from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, penalties_enabled
@@ -86,6 +85,11 @@ from vllm_npu.step_output import StepOutputs
 logger = logging.getLogger("vllm.vllm_npu.mblt")
 
 EMBED_TENSOR = "model.embed_tokens.weight"
+#: Logged once per worker when a last-logit MXQ serves prompt logprobs (the seed's wording).
+MICROSTEP_WARNING = (
+    "Prompt logprobs on last-logit MBLT/MXQ outputs use a slower 1-token microstep path. "
+    "Compile the MXQ to emit every position's logits to score a prompt chunk in one infer."
+)
 SHORT_CACHE_WARNING = (
     "MBLT request cache holds fewer tokens than the scheduler expects for req_id=%s "
     "(cache_id=%s, live_tokens=%s, expected=%d). Recomputing the rest of the prefix. occurrences=%d"
@@ -111,8 +115,6 @@ class _Req(Request):
     #: the request's KV cache on its slot (set when the worker admits it)
     kv: RequestKV = None  # type: ignore[assignment]
     vslot: int | None = None
-    #: the prompt-logprob rows being filled (None: not asked, or already returned)
-    prompt_logprobs: PromptLogprobs | None = None
     #: audio / vision: prompt positions of the encoder's embeddings, and the embeddings ``[n, hidden]``
     mm_pos: np.ndarray | None = None
     mm_rows: np.ndarray | None = None
@@ -419,6 +421,7 @@ class MbltWorker(NpuWorker):
         self.sampler = HostSampler(backend.vocab_size, enable_penalties=penalties_enabled(), switch=PENALTIES_ENV,
                                    log=logger, vllm_config=self.vllm_config)
         self.engine.outputs = StepOutputs(self.sampler)
+        self.engine.vocab_size = backend.vocab_size
         cap = pc.finished_snapshot_cap(self.pc_settings.max_host_mib, backend.kv_nbytes_per_cache)
         self.snapshots.set_cap(cap)
         logger.info(pc.snapshot_cap_log_line(cap, backend.kv_nbytes_per_cache, self.pc_settings.max_host_mib))
@@ -622,12 +625,11 @@ class MbltWorker(NpuWorker):
             self._add_audio(st, new.mm_features)
         assert self.backend is not None
         k = num_logprobs(params, self.backend.vocab_size, "prompt_logprobs")
-        if k is not None:
-            st.prompt_logprobs = PromptLogprobs(new.req_id, st.prompt_ids, k)
+        if k is not None:  # the step engine gives it the rows to fill (vllm_npu.prompt_logprobs)
             path = "one infer per chunk (full-sequence logits)" if self.backend.output_layout == "all" \
                 else "1-token microsteps (last-position logits)"
             logger.info("MBLT prompt logprobs for req_id=%s (%d positions, top %d): %s",
-                        new.req_id, st.prompt_logprobs.num_rows, k, path)
+                        new.req_id, max(len(st.prompt_ids) - 1, 0), k, path)
             if self.backend.output_layout != "all" and not self._microstep_warned:
                 self._microstep_warned = True
                 logger.warning(MICROSTEP_WARNING)
@@ -836,8 +838,9 @@ class MbltWorker(NpuWorker):
     # ------------------------------------------------------------------ the step
 
     def run_step(self, plan: StepPlan) -> StepResult:
-        """Restore each row's cache (its own, or a prefix snapshot), run its tokens, and return
-        the sampling rows' last-position logits and the prompt logprobs the step completed.
+        """Restore each row's cache (its own, or a prefix snapshot), run its tokens (scoring the
+        prompt positions of a request that asked for prompt logprobs), and return the sampling
+        rows' last-position logits.
 
         Raises:
             MbltWorkerError: images vLLM's prefix cache covered whose KV no snapshot holds.
@@ -855,13 +858,8 @@ class MbltWorker(NpuWorker):
                     "tokens): raise prefix_cache_max_host_mib, or serve this release with --no-enable-prefix-caching")
             work.append((st, row.end))
         logits = self._run(work)
-        prompt_logprobs = {}
-        for st, end in work:  # the step that completes a prompt returns its prompt logprobs
-            if st.prompt_logprobs is not None and end >= len(st.prompt_ids):
-                prompt_logprobs[st.req_id] = st.prompt_logprobs.tensors()
-                st.prompt_logprobs = None
         rows = [logits[i] for i, row in enumerate(plan.rows) if row.samples]
-        return StepResult(logits=np.stack(rows) if rows else None, prompt_logprobs=prompt_logprobs)
+        return StepResult(logits=np.stack(rows) if rows else None)
 
     def _infer(self, rows: list[Row]) -> list[np.ndarray]:
         """One dispatch; a ``QbRuntimeError`` is retried once (every row rewrites the same KV

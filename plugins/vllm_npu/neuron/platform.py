@@ -216,8 +216,7 @@ class NeuronPlatform(NpuPlatform):
 
         ods = getattr(cls, "_ods", True)  # set by configure in this process
         if not ods:
-            refuse_unsampled(processed_inputs, params, worker="Neuron worker (CPU sampling)", error=NeuronRequestError,
-                             prompt_logprobs_reason=" (the NEFFs return the last position's logits only; issue 18)")
+            refuse_unsampled(processed_inputs, params, worker="Neuron worker (CPU sampling)", error=NeuronRequestError)
             if getattr(params, "structured_outputs", None) is not None:
                 # The AWS Neuron guide (seed 002, "Tool calling", Note): "tool_choice="required" and
                 # named tool choice require on-device sampling. With CPU sampling, the logit_mask is
@@ -234,7 +233,7 @@ class NeuronPlatform(NpuPlatform):
 
         fields = {name: getattr(params, name, None) for name in (
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
-            "allowed_token_ids", "bad_words", "logits_processors", "min_tokens", "prompt_logprobs", "n",
+            "allowed_token_ids", "bad_words", "logits_processors", "min_tokens", "n",
             "logprob_token_ids")}
         refused = ods_refusals(fields, async_scheduling=getattr(cls, "_async_on", False))
         if params.structured_outputs is not None and not any(p == "response_format" for p, _ in refused):

@@ -79,10 +79,11 @@ def ods_refusals(params_fields: Mapping[str, Any], *, async_scheduling: bool = F
     ``stop`` / ``stop_token_ids``, ``ignore_eos``, any ``n`` (vLLM fans ``n`` out into independent
     child requests before a worker sees them), ``logprobs`` (returned in the raw
     mode the runner resolves), structured outputs (a bitmask applied on device) without async
-    scheduling. Refused (our decision, documented per parameter): ``presence_penalty`` /
+    scheduling, ``prompt_logprobs`` (scored from the NEFFs' logits, one prompt token per prefill
+    call). Refused (our decision, documented per parameter): ``presence_penalty`` /
     ``frequency_penalty`` != 0, ``repetition_penalty`` != 1, ``min_p`` > 0, a non-empty
     ``logit_bias``, ``allowed_token_ids``, ``bad_words`` or ``logits_processors``,
-    ``min_tokens`` > 0, ``prompt_logprobs`` (not implemented here), and
+    ``min_tokens`` > 0, and
     ``structured_outputs`` (or the older ``guided_decoding``) with async scheduling. Missing
     keys count as their neutral value.
 
@@ -112,8 +113,6 @@ def ods_refusals(params_fields: Mapping[str, Any], *, async_scheduling: bool = F
             refuse(name, why)
     if (f.get("min_tokens") or 0) > 0:
         refuse("min_tokens", "EOS is not suppressed on device")
-    if f.get("prompt_logprobs") is not None:
-        refuse("prompt_logprobs", "not implemented")
     if async_scheduling:
         for name in ("structured_outputs", "guided_decoding"):
             if _set(f.get(name)):

@@ -100,13 +100,14 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         self.device_info: Any = None
         self.neffs: dict[str, Any] = {}
         self.kv: Any = None
-        self.engine = StepEngine(self)  # its output builder is set with CPU sampling
+        # its output builder is set with CPU sampling
+        self.engine = StepEngine(self, vocab_size=int(self.model_config.get_vocab_size()))
         self.sampler: Any = None
         self.metrics: Any = None
         self._rng = np.random.default_rng(int(vllm_config.model_config.seed or 0))
         self._prev_ids: list[str] | None = None
         self.stats = {"steps": 0, "prefills": 0, "decodes": 0, "retries": 0, "padded_rows": 0,
-                      "padded_tokens": 0, "async_steps": 0, "sync_fallback_steps": 0}
+                      "padded_tokens": 0, "async_steps": 0, "sync_fallback_steps": 0, "prompt_logprob_microsteps": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -298,7 +299,11 @@ class NeuronWorker(RunnerHooks, NpuWorker):
             raise RuntimeError(MIXED_BATCH_ERROR.format(p=len(prefill), d=len(rows) - len(prefill)))
         if prefill:
             r = prefill[0]
-            logits, tokens = self._prefill(r.req, r.num_tokens, plan.scheduler_output)
+            plp = r.req.prompt_logprobs
+            if plp is not None and plp.needs_logits_at(r.start):
+                logits, tokens = self._scored_prefill(r.req, r.start, r.end)
+            else:
+                logits, tokens = self._prefill(r.req, r.start, r.num_tokens, plan.scheduler_output)
             if not r.samples:
                 return StepResult()
         else:
@@ -358,8 +363,23 @@ class NeuronWorker(RunnerHooks, NpuWorker):
                                     f"({len(blocks)} blocks of {bs})")
         return (blocks[pos // bs] * bs + pos % bs).astype(np.int32)
 
-    def _prefill(self, seq: Request, n: int, so) -> tuple[np.ndarray, np.ndarray]:
-        """Prefill ``n`` of ``seq``'s tokens from ``seq.num_computed`` on the bucket's NEFF."""
+    def _scored_prefill(self, seq: Request, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill ``seq``'s tokens ``[start, end)`` one token per NEFF call (each returns the
+        logits after its token: the NEFFs give ``last_token_index``'s only), filling the
+        request's prompt-logprob rows (:mod:`vllm_npu.prompt_logprobs`); the last call's
+        logits and tokens. Only the last call draws the on-device sampler's uniform."""
+        assert seq.prompt_logprobs is not None
+        logits = tokens = None
+        for p in range(start, end):
+            logits, tokens = self._prefill(seq, p, 1, None, sample=p == end - 1)
+            seq.prompt_logprobs.record(p, logits)
+        self.stats["prompt_logprob_microsteps"] += end - start
+        return logits, tokens
+
+    def _prefill(self, seq: Request, start: int, n: int, so, *, sample: bool = True) -> tuple[np.ndarray, np.ndarray]:
+        """Prefill ``n`` of ``seq``'s tokens from ``start`` on the bucket's NEFF (the scheduler's
+        padded count from ``so``, else the smallest bucket that holds ``n``); ``sample`` False
+        draws no uniform for the on-device sampler (its token is not used)."""
         padded_map = getattr(so, "num_scheduled_tokens_padded", None) or {}
         from vllm_npu.neuron.buckets import get_bucket_for_count, target_name
 
@@ -369,7 +389,6 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         self._neff(name, "input_ids", n, int(buckets[-1]))
         if n > t:
             raise recompile_error(name, "input_ids", t, n)
-        start = seq.num_computed
         ids = np.zeros(t, np.int32)
         ids[:n] = seq.all_ids[start:start + n]
         pos = np.full(t, start + n - 1, np.int32)
@@ -382,7 +401,8 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table,
                   "last_token_index": np.array([n - 1], np.int32)}
         if self.plan["on_device_sampling"]:
-            inputs.update(self._sampling_inputs([seq], 1))
+            inputs.update(self._sampling_inputs([seq], 1) if sample else
+                          {"sampling_params": np.zeros((1, 3), np.float32), "rand": np.zeros((1,), np.float32)})
         out = self._run(name, name, f"prefill of {seq.req_id} ({n} tokens on {name})", inputs)
         self.stats["prefills"] += 1
         self.stats["padded_tokens"] += t - n

@@ -383,15 +383,13 @@ class RblnPlatform(NpuPlatform):
         """Refuse what the optimum worker would otherwise ignore (vLLM answers HTTP 400).
 
         Raises:
-            RblnRequestError: pooling requests, prompt embeddings, prompt logprobs (the compiled
-                prefill returns the last position's logits only), structured outputs,
-                ``min_p``, ``min_tokens``, ``logit_bias``, ``allowed_token_ids`` or
-                ``logprob_token_ids`` (each named).
+            RblnRequestError: what :func:`vllm_npu._platform.refuse_unsampled` refuses (pooling
+                requests, prompt embeddings, ``prompt_logprob_token_ids``, a thinking budget;
+                each named).
         """
         from vllm_npu.rbln.errors import RblnRequestError
 
-        refuse_unsampled(processed_inputs, params, worker="RBLN optimum worker", error=RblnRequestError,
-                         prompt_logprobs_reason=" (the compiled prefill returns the last position's logits only)")
+        refuse_unsampled(processed_inputs, params, worker="RBLN optimum worker", error=RblnRequestError)
 
     @classmethod
     def log_warnings(cls) -> None:

@@ -309,12 +309,15 @@ class RblnVllmWorker(RblnStepWorker):
                 self.stats["prefix_reused_tokens"] += p.start
                 logger.info("RBLN prefix cache: req %s reuses %d of %d tokens (vLLM's shared blocks)",
                             p.seq.req_id, p.start, len(ids))
+            plp = p.seq.prompt_logprobs  # prompt logprobs: the LM head of every row of each chunk
             for s in range(p.start, len(ids), chunk):
                 piece = ids[s:s + chunk]
                 padded = np.zeros(chunk, np.int64)
                 padded[:len(piece)] = piece
                 hidden = self._call("prefill", padded, s, p.seq.blocks)
                 last = hidden[len(piece) - 1: len(piece)]
+                if plp is not None and plp.needs_logits_at(s):
+                    plp.record(s, self._logits(hidden[:len(piece)]))
                 self.stats["prefill_chunks"] += 1
             rows.append(self._logits(last)[0])
             self.stats["prefills"] += 1

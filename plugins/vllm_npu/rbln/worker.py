@@ -75,7 +75,7 @@ class RblnStepWorker(NpuWorker):
 
     def _start_engine(self) -> None:
         """The step engine over this worker, host sampling with ``self.sampler``."""
-        self.engine = StepEngine(self, StepOutputs(self.sampler))
+        self.engine = StepEngine(self, StepOutputs(self.sampler), vocab_size=int(self.model_config.get_vocab_size()))
 
     def _forget_requests(self) -> None:
         """Forget every request (the worker shuts down)."""
@@ -140,7 +140,7 @@ class RblnOptimumWorker(RblnStepWorker):
         self._seen_layouts: set[tuple[int, int]] = set()
         self._logged_chunked = False
         self.stats = {"steps": 0, "prefills": 0, "decodes": 0, "retries": 0, "padded_rows": 0,
-                      "prefix_reused_tokens": 0}
+                      "prefix_reused_tokens": 0, "prompt_logprob_microsteps": 0}
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -240,6 +240,10 @@ class RblnOptimumWorker(RblnStepWorker):
         """Run ``plan``; return the last-position logits of :meth:`DevicePlan.sampled`, in order."""
         rows: list[np.ndarray] = []
         for p in plan.prefills:
+            plp = p.seq.prompt_logprobs
+            if plp is not None and plp.needs_logits_at(0):
+                rows.append(self._scored_prefill(p))
+                continue
             if p.copies or p.start:
                 runtime = self.model.model[0]
                 for src, dst, slots in p.copies:
@@ -277,3 +281,35 @@ class RblnOptimumWorker(RblnStepWorker):
                 logger.info("RBLN decode: %d rows on the batch-%d decoder (%d padding rows)",
                             len(d.seqs), d.batch, d.batch - len(d.seqs))
         return np.stack(rows) if rows else np.zeros((0, 1), np.float32)
+
+    def _scored_prefill(self, p) -> np.ndarray:
+        """A prompt whose positions are all scored (prompt logprobs, :mod:`vllm_npu.prompt_logprobs`):
+        the compiled prefill returns the last position's logits only, so its first token is
+        prefilled and each later one fed through the smallest compiled decoder (every row of
+        it the same token at the same slot: the padding rows rewrite that slot with the same
+        KV). Every position from 0 is recomputed, so a prefix the table reused is rewritten
+        with the same values. Returns the last position's logits.
+        """
+        plp = p.seq.prompt_logprobs
+        table = torch.tensor(p.table, dtype=torch.int16)
+        first = torch.tensor([[p.ids[0]]], dtype=torch.int64)
+        out = self._device_call(f"prefill of {p.seq.req_id} (1 token, prompt logprobs)",
+                                lambda: self.model.prefill_decoder(input_ids=first, cache_position=torch.zeros((1, 1), dtype=torch.int32),
+                                                                   block_tables=table).logits)
+        row = out.reshape(-1, out.shape[-1])[-1].float().numpy()
+        plp.record(0, row)
+        batch = min(self.spec.decoder_batch_sizes)
+        decoder = self.model.decoders[batch]
+        tables = table.unsqueeze(0).expand(batch, -1).contiguous()
+        for pos in range(1, len(p.ids)):
+            ids = torch.full((batch, 1), int(p.ids[pos]), dtype=torch.int64)
+            cache = torch.full((batch, 1), pos, dtype=torch.int32)
+            out = self._device_call(f"decode of {p.seq.req_id} at {pos} (prompt logprobs)",
+                                    lambda: decoder(input_ids=ids, cache_position=cache, block_tables=tables).logits)
+            row = out.reshape(batch, -1)[0].float().numpy()
+            plp.record(pos, row)
+        self.stats["prefills"] += 1
+        self.stats["prompt_logprob_microsteps"] += len(p.ids)
+        logger.info("RBLN prompt logprobs: req %s scored %d positions (1 prefill token, %d decoder steps of batch %d)",
+                    p.seq.req_id, plp.num_rows, len(p.ids) - 1, batch)
+        return row

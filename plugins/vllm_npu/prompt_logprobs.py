@@ -1,12 +1,22 @@
-"""Prompt logprobs for the MBLT worker: per prompt position, the log-softmax of the logits
+"""Prompt logprobs for every NPU worker: per prompt position, the log-softmax of the logits
 after that position, gathered for the next prompt token and the top ``k``.
 
 vLLM wants, for a prompt of ``P`` tokens, ``P - 1`` rows: row ``p`` scores prompt token
-``p + 1`` under the logits after tokens ``[0, p]``. An MXQ that emits every position's logits
-(``"all"`` layout) gives a chunk's rows from one infer. An MXQ that emits the last position's
-logits only (``"last"``, the usual release) gives them by the seed's 1-token microstep path:
-the request's prompt is fed one token per infer, each infer's output being the logits after
-that token. Rows are gathered as soon as they are computed (``k + 1`` values per position, not
+``p + 1`` under the logits after tokens ``[0, p]``. The step engine gives a request that asks
+(``prompt_logprobs``, or ``echo`` with ``logprobs``) a :class:`PromptLogprobs`
+(:attr:`vllm_npu.step_engine.Request.prompt_logprobs`) and returns its rows in the step that
+completes the prompt; the device fills them as it computes the prompt's positions:
+
+* MBLT: an MXQ that emits every position's logits (``"all"`` layout) gives a chunk's rows from
+  one infer; one that emits the last position's only gives them by the seed's 1-token
+  microstep path (one token per infer);
+* RBLN, optimum path: the compiled prefill returns the last position's logits, so the prompt's
+  first token is prefilled and each later one fed through the batch-1 decoder;
+  ``vllm`` path: the LM head of every row of each prefill chunk;
+* Neuron: each prompt token is one 1-token prefill on the smallest prefill NEFF (the NEFFs
+  return the logits at ``last_token_index`` only).
+
+Rows are gathered as soon as they are computed (``k + 1`` values per position, not
 the vocabulary-wide logits), by vLLM's own ``Sampler.compute_logprobs`` /
 ``Sampler.gather_logprobs``, so values, ranks and tie order are those of vLLM's GPU runner.
 """
@@ -18,12 +28,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-#: Logged once per worker when a last-logit MXQ serves prompt logprobs (the seed's wording).
-MICROSTEP_WARNING = (
-    "Prompt logprobs on last-logit MBLT/MXQ outputs use a slower 1-token microstep path. "
-    "Compile the MXQ to emit every position's logits to score a prompt chunk in one infer."
-)
-
+__all__ = ["PromptLogprobs", "PromptLogprobsStateError", "prompt_logprobs_of"]
 
 class PromptLogprobsStateError(RuntimeError):
     """A request's prompt logprobs were asked for before every position was computed."""
@@ -97,3 +102,12 @@ class PromptLogprobs:
             )
         return LogprobsTensors(torch.from_numpy(self.ids), torch.from_numpy(self.values),
                                torch.from_numpy(self.ranks))
+
+
+def prompt_logprobs_of(req_id: str, params: object, prompt_ids: list[int], vocab_size: int) -> PromptLogprobs | None:
+    """The empty :class:`PromptLogprobs` of a request whose ``params`` ask for prompt logprobs
+    (top ``k`` as :func:`vllm_npu.host_sampling.num_logprobs` reads it), else None."""
+    from vllm_npu.host_sampling import num_logprobs
+
+    k = num_logprobs(params, vocab_size, "prompt_logprobs")
+    return None if k is None else PromptLogprobs(req_id, list(prompt_ids), k)
