@@ -15,7 +15,10 @@ Every NPU worker answers vLLM's ``execute_model`` / ``sample_tokens`` through a
   positions; the step that completes the prompt returns its rows;
 * **the output builder**: host sampling with vLLM's sampler and grammar bitmask
   (:class:`vllm_npu.step_output.StepOutputs`), or the tokens the device sampled
-  (:func:`vllm_npu.step_output.device_tokens_output`).
+  (:func:`vllm_npu.step_output.device_tokens_output`). A device that samples on the device
+  gets vLLM's grammar bitmask as one allowed-token mask per sampling row
+  (:attr:`StepPlan.token_masks`): a step with a structured-output row waits for vLLM's
+  ``sample_tokens(grammar_output)`` before it runs on the device.
 
 A device is a :class:`DeviceRunner`: it builds the record of a new request (with its own
 device state, in a subclass of :class:`Request`), hears of finished, preempted and resumed
@@ -153,10 +156,14 @@ class StepPlan:
     Attributes:
         scheduler_output: vLLM's ``SchedulerOutput``.
         rows: the scheduled requests, in the output's order.
+        token_masks: for a device that samples: bool ``[len(sampling), vocab]``, True where a
+            sampling row's grammar allows the token (vLLM's bitmask unpacked); None when no row
+            of the step has a grammar.
     """
 
     scheduler_output: Any
     rows: tuple[ScheduledRow, ...]
+    token_masks: np.ndarray | None = None
 
     @property
     def order(self) -> list[str]:
@@ -245,6 +252,7 @@ class StepEngine:
         self.vocab_size = vocab_size
         self.reqs: dict[str, Request] = {}
         self.steps = 0
+        self._waiting: StepPlan | None = None  # a device-sampled step waiting for the bitmask
 
     def apply(self, so: Any) -> None:
         """Apply the scheduler output's request events to the table and tell the runner.
@@ -308,25 +316,48 @@ class StepEngine:
         """
         from vllm.v1.outputs import ModelRunnerOutput
 
+        if self._waiting is not None:
+            raise RuntimeError("a step left for sample_tokens was never sampled")
         self.apply(so)
         plan = self.plan(so)
         if not plan.rows:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         self.steps += 1
+        if self.outputs is None and any(getattr(r.req.params, "structured_outputs", None) is not None
+                                        for r in plan.sampling):
+            self._waiting = plan  # the device samples under the grammar: run it with the bitmask
+            return None
+        return self._run(plan)
+
+    def _run(self, plan: StepPlan):
         result = self.runner.run_step(plan)
         for row in plan.rows:
             row.req.num_computed = row.end
         return self._output(plan, result)
 
     def sample_tokens(self, grammar_output: Any):
-        """vLLM's ``sample_tokens``: the step :meth:`execute` left, sampled under the bitmask.
+        """vLLM's ``sample_tokens``: the step :meth:`execute` left, sampled under the bitmask
+        (``grammar_output``: vLLM's ``GrammarOutput``, or None when no request of the step has a
+        grammar yet). A device-sampled step runs now, with the bitmask as
+        :attr:`StepPlan.token_masks`.
 
         Raises:
-            RuntimeError: the device samples (no step ever waits for a bitmask).
+            RuntimeError: no step is waiting.
         """
-        if self.outputs is None:
-            raise RuntimeError("the device samples on the device: no step waits for sample_tokens")
-        return self.outputs.sample_tokens(grammar_output)
+        if self.outputs is not None:
+            return self.outputs.sample_tokens(grammar_output)
+        plan, self._waiting = self._waiting, None
+        if plan is None:
+            raise RuntimeError("sample_tokens called without a step waiting for it")
+        if grammar_output is not None:
+            from vllm_npu.step_output import grammar_token_masks
+
+            if self.vocab_size is None:
+                raise RuntimeError("a device-sampled step under a grammar needs the engine's vocab_size")
+            masks = grammar_token_masks(plan.scheduler_output, grammar_output,
+                                        [r.req.req_id for r in plan.sampling], self.vocab_size)
+            plan = StepPlan(plan.scheduler_output, plan.rows, masks)
+        return self._run(plan)
 
     def _output(self, plan: StepPlan, result: StepResult):
         from vllm_npu.step_output import StepSample, device_tokens_output
@@ -353,5 +384,6 @@ class StepEngine:
     def clear(self) -> None:
         """Forget every request and any step waiting for a bitmask (the worker shuts down)."""
         self.reqs.clear()
+        self._waiting = None
         if self.outputs is not None:
             self.outputs.discard()

@@ -20,13 +20,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from vllm_npu.host_sampling import HostSampler, SampleRequest, scatter_logprobs
 
-__all__ = ["StepOutputs", "StepSample", "needs_grammar", "device_tokens_output", "raw_logprobs"]
+__all__ = ["StepOutputs", "StepSample", "needs_grammar", "device_tokens_output", "raw_logprobs",
+           "grammar_token_masks"]
 
 
 @dataclass
@@ -182,3 +184,17 @@ def raw_logprobs(logits: np.ndarray, params: Sequence[Any], toks: Sequence[int],
         ids[i, 1:], vals[i, 1:] = top[:k], lp[r, top[:k]]
         ranks[i] = int((lp[r] > lp[r, tok]).sum()) + 1
     return LogprobsLists(ids, vals, ranks, None)
+
+
+def grammar_token_masks(scheduler_output: Any, grammar_output: Any, row_req_ids: Sequence[str],
+                        vocab_size: int) -> np.ndarray:
+    """vLLM's grammar bitmask of a step, unpacked for a device that samples: bool
+    ``[len(row_req_ids), vocab_size]``, True where row ``i``'s grammar allows the token (every
+    token for a row without a grammar). Unpacked by vLLM's own ``apply_grammar_bitmask`` on zero
+    logits, so the rows and tokens are exactly those vLLM's GPU runner masks."""
+    import torch
+    from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+    logits = torch.zeros((len(row_req_ids), int(vocab_size)), dtype=torch.float32)
+    apply_grammar_bitmask(scheduler_output, grammar_output, SimpleNamespace(req_ids=list(row_req_ids)), logits)
+    return torch.isfinite(logits).numpy()

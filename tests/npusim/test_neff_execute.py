@@ -76,7 +76,7 @@ class Host:
     def slot(blocks, p):
         return blocks[p // BS] * BS + p % BS
 
-    def prefill_inputs(self, name, ids, start, blocks, params=(0.0, 1.0, 0.0), rand=0.5):
+    def prefill_inputs(self, name, ids, start, blocks, params=(0.0, 1.0, 0.0), rand=0.5, logit_mask=None):
         bucket = self.models[name].spec.tokens
         n = len(ids)
         pad = bucket - n
@@ -91,6 +91,7 @@ class Host:
             "last_token_index": i32([n - 1]),
             "sampling_params": T(np.asarray([params], np.float32)),
             "rand": T(np.asarray([rand], np.float32)),
+            **({"logit_mask": i32(logit_mask)} if logit_mask is not None else {}),
         }
 
     def prefill(self, name, ids, start, blocks, **kw):
@@ -331,3 +332,33 @@ def test_two_rows_one_slot_rejected(model_dir, neffs):
     host.prefill("prefill_s16", [1, 2, 3], 0, [0])
     with pytest.raises(nrt.NrtError, match=r"KV slots \[3\] are written by two rows"):
         host.decode("decode_b4", [(5, 3, [0]), (6, 3, [0]), None, None])
+
+
+def test_logit_mask_restricts_on_device_sampling_and_leaves_the_logits_raw(model_dir, golden, tmp_path):
+    """A ``logit_mask`` program (structured outputs' grammar bitmask on device): the sampled token
+    is the best allowed one (greedy), or drawn among the allowed ones only; the returned logits
+    are the unmasked ones; a row that allows nothing, or a value other than 0/1, is refused."""
+    spec = nrt.NeffSpec(kind="prefill", tokens=16, max_model_len=MAXLEN, block_size=BS, num_blocks=NB, logit_mask=True)
+    from npusim.neff.compiler import io_info
+
+    names = [i["name"] for i in io_info(spec, ModelConfig.from_dict(make_config("llama")))[0]]
+    assert names[-1] == "logit_mask"
+    host = Host(model_dir, {spec.name: nrt.compile_neff(spec, model_dir, tmp_path / "m.neff", target="trn2").path})
+    vocab = golden.config.vocab_size
+    prompt = [3, 17, 40, 9]
+    want = np.asarray(golden.prefill(prompt, golden.new_cache(len(prompt))))[-1]
+    allowed = np.argsort(want)[:5]  # the five least likely tokens
+    mask = np.zeros((1, vocab), np.int32)
+    mask[0, allowed] = 1
+    out = host.prefill(spec.name, prompt, 0, [0], logit_mask=mask)
+    assert int(out["tokens"].numpy()[0]) == int(allowed[np.argmax(want[allowed])])
+    assert np.allclose(out["logits"].numpy()[0], want, atol=1e-4), "the logits stay raw"
+    for r in (0.01, 0.5, 0.99):
+        tok = int(host.prefill(spec.name, prompt, 0, [0], params=(0.0, 1.0, 1.0), rand=r, logit_mask=mask)["tokens"].numpy()[0])
+        assert tok in allowed.tolist()
+    with pytest.raises(nrt.NrtError, match="allows no token"):
+        host.prefill(spec.name, prompt, 0, [0], logit_mask=np.zeros((1, vocab), np.int32))
+    with pytest.raises(nrt.NrtError, match="0 or 1"):
+        host.prefill(spec.name, prompt, 0, [0], logit_mask=mask * 2)
+    with pytest.raises(ValueError, match="logit_mask needs on_device_sampling"):
+        nrt.NeffSpec(kind="decode", on_device_sampling=False, logit_mask=True)

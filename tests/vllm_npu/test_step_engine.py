@@ -137,9 +137,9 @@ def test_a_device_answering_the_wrong_rows_is_a_step_state_error():
         d.step()
 
 
-def test_device_sampled_steps_never_wait_for_a_bitmask():
+def test_sample_tokens_without_a_waiting_step_is_an_error():
     engine = StepEngine(CountingRunner(device_samples=True))
-    with pytest.raises(RuntimeError, match="no step waits for sample_tokens"):
+    with pytest.raises(RuntimeError, match="without a step waiting for it"):
         engine.sample_tokens(None)
 
 
@@ -164,3 +164,38 @@ def test_a_request_record_reads_its_tokens():
     assert r.blocks == [7] and r.num_computed == 4
     r.apply_cached([9, 10], resumed=True, num_computed=0, all_token_ids=[1, 2, 3, 4])
     assert r.blocks == [9, 10] and r.output_ids == [4]
+
+
+def test_a_device_sampled_step_under_a_grammar_waits_for_the_bitmask_and_gets_it_unpacked():
+    """With the device sampling, a step with a structured-output row returns None and runs in
+    ``sample_tokens``, its plan carrying vLLM's bitmask unpacked (True = allowed) per sampling row
+    (a row without a grammar allows every token)."""
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+    from vllm.v1.core.sched.output import GrammarOutput
+
+    class MaskedRunner(CountingRunner):
+        def run_step(self, plan):
+            self.masks = plan.token_masks
+            result = super().run_step(plan)
+            if plan.token_masks is not None:  # the best allowed token, as a device sampler would
+                result.tokens = [[int(np.argmax(np.where(m, lg, -np.inf)))]
+                                 for m, lg in zip(plan.token_masks, result.logits)]
+            return result
+
+    runner = MaskedRunner(device_samples=True)
+    engine = StepEngine(runner, vocab_size=VOCAB)
+    d = Driver(SimpleNamespace(execute_model=engine.execute, sample_tokens=engine.sample_tokens), 8)
+    d.add("g", [1, 2], SamplingParams(temperature=0.0, max_tokens=1,
+                                      structured_outputs=StructuredOutputsParams(choice=["x"])))
+    d.add("p", [9], greedy(1))
+    so, _ = d.schedule()
+    assert engine.execute(so) is None and runner.plans == [], "the device waits for the bitmask"
+    allowed = [5, 40]
+    bits = np.zeros((1, VOCAB // 32), np.int32)
+    for t in allowed:
+        bits[0, t // 32] |= np.int32(1 << (t % 32)) if t % 32 < 31 else np.int32(-2**31)
+    out = engine.sample_tokens(GrammarOutput(structured_output_request_ids=["g"], grammar_bitmask=bits))
+    assert np.flatnonzero(runner.masks[0]).tolist() == allowed and runner.masks[1].all()
+    assert out.sampled_token_ids == [[5], [10]], "g: the best allowed token (5 or 40); p: unconstrained"
+    with pytest.raises(RuntimeError, match="without a step waiting"):
+        engine.sample_tokens(None)

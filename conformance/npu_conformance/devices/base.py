@@ -60,8 +60,6 @@ LOGITS_PROCESSOR_REFUSALS: tuple[Refusal, ...] = (
     Refusal("min_tokens", {"min_tokens": 2}),
     Refusal("logit_bias", {"logit_bias": {"5": 10}}),
     Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
-    Refusal("response_format", {"structured_outputs": {"choice": ["a", "b"]}}),
-    Refusal("response_format", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
     Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
 )
 
@@ -179,6 +177,15 @@ class DeviceLab:
     def sampler_refusals(self) -> tuple[Refusal, ...]:
         """What :meth:`sampler_server` refuses (default: :attr:`refusals`)."""
         return self.refusals
+
+    def grammar_server(self) -> vs.Server | None:
+        """The server that serves structured outputs and grammar-constrained tool calls
+        (vLLM's grammar bitmask applied before sampling). Default: :meth:`sampler_server`,
+        unless it refuses them (None); a device whose grammar runs where it samples on the
+        device starts that configuration (Neuron: on-device sampling, without async
+        scheduling)."""
+        refused = {r.param for r in self.sampler_refusals()}
+        return None if "response_format" in refused else self.sampler_server()
 
     def fault(self, kind: str) -> FaultPlan:
         """How to start a server with fault ``kind`` (one of :attr:`FAULT_KINDS`).

@@ -41,6 +41,10 @@ ODS_REFUSALS: tuple[Refusal, ...] = (
     Refusal("presence_penalty", {"presence_penalty": 0.5}),
     Refusal("frequency_penalty", {"frequency_penalty": 0.5}),
     Refusal("repetition_penalty", {"repetition_penalty": 1.2}),
+    # the vendor's assertion: structured outputs need async scheduling off (served without it,
+    # NeuronLab.grammar_server)
+    Refusal("structured_outputs", {"structured_outputs": {"choice": ["a", "b"]}}),
+    Refusal("structured_outputs", {"response_format": {"type": "json_object"}}, endpoint="chat/completions"),
 )
 
 
@@ -86,6 +90,11 @@ class NeuronLab(TinyModelLab):
 
     def sampler_refusals(self) -> tuple[Refusal, ...]:
         return CPU_SAMPLING_REFUSALS
+
+    def grammar_server(self) -> vs.Server:
+        """On-device sampling under the grammar's ``logit_mask`` (the guide: "the same on-device
+        bitmask approach as vLLM upstream"; structured outputs need async scheduling off)."""
+        return self.server(self.hf_dir(), [*self.serving_args(), "--no-async-scheduling", *HOST_SERVING_ARGS])
 
     def fault(self, kind: str) -> FaultPlan:
         """``NPUSIM_NEFF`` execution failures from the 11th on (see the module docstring).

@@ -32,17 +32,17 @@ with the same request sent alone.
 * ``structured_outputs``: regex, choice and JSON-schema completions obey their grammar and
   equal the golden decoder's greedy tokens under the same xgrammar mask on a simulator; the
   chat API's ``response_format`` json_schema and a ``tool_choice`` ``required`` tool call are
-  valid. On the server that samples on the host; a 400 naming ``response_format`` where the
-  lab's plugin refuses them. Figures: answers, compared with the golden decoder.
+  valid. On the lab's grammar server (the host sampler's, or Neuron's on-device sampling
+  without async scheduling); a 400 naming ``response_format`` where the host-sampling server
+  refuses them (Neuron's CPU sampling). Figures: answers, compared with the golden decoder,
+  refused.
 * ``prompt_embeds``: a prompt sent as its token embeddings decodes the same greedy tokens as
   the prompt sent as ids and as the golden decoder where the lab's plugin takes embeddings
   (MBLT); elsewhere a 400 naming ``prompt_embeds``. Figures: prompts compared, or refused.
 * ``prompt_logprobs``: lm-eval's loglikelihood request (``echo`` with ``logprobs``) and
-  ``prompt_logprobs``. A target whose lab serves them scores every prompt position: equal to the
-  golden decoder's log-softmax within :data:`PROMPT_LOGPROBS_TOLERANCE` on a simulator, equal to
-  the same request sent alone on hardware, also with greedy requests running beside; the others
-  refuse both with a 400 naming ``prompt_logprobs``. Figures: positions compared, or requests
-  refused.
+  ``prompt_logprobs``: every target scores every prompt position, equal to the golden decoder's
+  log-softmax within :data:`PROMPT_LOGPROBS_TOLERANCE` on a simulator, equal to the same request
+  sent alone on hardware, also with greedy requests running beside. Figures: positions compared.
 * ``fault_once_retried``: a one-off injected device fault is retried invisibly: concurrent
   requests all equal the golden decoder, and the server log shows the fault struck.
 * ``fault_persistent_fails_in_flight``: a persistent device fault gives every request in
@@ -513,18 +513,21 @@ def _check_golden_grammar(golden: Any, prompt_ids: list[int], spec: dict[str, An
 def test_structured_outputs(target, record, device_labs):
     """Structured outputs (regex, choice, JSON schema through ``structured_outputs``; the OpenAI
     ``response_format`` json_schema and a tool call with ``tool_choice`` ``required`` on the chat
-    API) on the server that samples on the host: every answer obeys its grammar, and on a
-    simulator equals the golden decoder's greedy tokens under the same xgrammar mask
-    (:mod:`npu_conformance.grammar_golden`). Where the lab's plugin refuses them, each is a 400
-    naming ``response_format``."""
+    API) on the lab's grammar server (``lab.grammar_server``: where the bitmask is applied,
+    on the host or on the device): every answer obeys its grammar, and on a simulator equals the
+    golden decoder's greedy tokens under the same xgrammar mask
+    (:mod:`npu_conformance.grammar_golden`). Where the host-sampling server refuses them (Neuron's
+    CPU sampling, in the guide's words), each is a 400 naming ``response_format`` there."""
     lab = _lab(device_labs, target)
-    server = lab.sampler_server()
     if "response_format" in {r.param for r in lab.sampler_refusals()}:
+        sampler = lab.sampler_server()
         for _kind, spec, _ok_text in STRUCTURED:
-            status, message = _send(server, "completions", _body({"structured_outputs": spec}, server, lab,
-                                                                 "completions"), "application/json")
+            status, message = _send(sampler, "completions", _body({"structured_outputs": spec}, sampler, lab,
+                                                                  "completions"), "application/json")
             assert status == 400 and "response_format" in message, (status, message)
         record.figure("structured_refused", len(STRUCTURED))
+    server = lab.grammar_server()
+    if server is None:
         return
     golden = None
     if lab.golden() is not None:

@@ -201,9 +201,10 @@ class NeuronPlatform(NpuPlatform):
         """Refuse what the NEFFs do not do (vLLM answers HTTP 400 naming the parameter).
 
         Raises:
-            NeuronRequestError: pooling requests, prompt embeddings, prompt logprobs, and with
-                on-device sampling every parameter beyond temperature, top_k and top_p
-                (:func:`vllm_npu.neuron.sampling.ods_refusals`); with CPU sampling what the
+            NeuronRequestError: pooling requests, prompt embeddings, and with on-device
+                sampling every parameter beyond temperature, top_k and top_p
+                (:func:`vllm_npu.neuron.sampling.ods_refusals`: structured outputs are served,
+                under the guide's on-device bitmask, without async scheduling); with CPU sampling what the
                 host sampler cannot honour (:func:`vllm_npu._platform.refuse_unsampled`), and
                 structured outputs and grammar-constrained tool calls
                 (:data:`CPU_SAMPLING_GRAMMAR_REFUSAL`: the guide says the board applies no
@@ -234,11 +235,8 @@ class NeuronPlatform(NpuPlatform):
         fields = {name: getattr(params, name, None) for name in (
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
             "allowed_token_ids", "bad_words", "logits_processors", "min_tokens", "n",
-            "logprob_token_ids")}
+            "logprob_token_ids", "structured_outputs")}
         refused = ods_refusals(fields, async_scheduling=getattr(cls, "_async_on", False))
-        if params.structured_outputs is not None and not any(p == "response_format" for p, _ in refused):
-            refused.append(("response_format", "structured outputs (response_format / guided decoding: the "
-                                               "guide's on-device grammar bitmask is not built yet, issue 41)"))
         if params.logprob_token_ids:
             refused.append(("logprob_token_ids", "logprob_token_ids"))
         if getattr(params, "prompt_logprob_token_ids", None) is not None:

@@ -101,7 +101,8 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         self.neffs: dict[str, Any] = {}
         self.kv: Any = None
         # its output builder is set with CPU sampling
-        self.engine = StepEngine(self, vocab_size=int(self.model_config.get_vocab_size()))
+        self._vocab = int(self.model_config.get_vocab_size())
+        self.engine = StepEngine(self, vocab_size=self._vocab)
         self.sampler: Any = None
         self.metrics: Any = None
         self._rng = np.random.default_rng(int(vllm_config.model_config.seed or 0))
@@ -262,6 +263,7 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         common = {"max_model_len": int(p["max_model_len"]), "block_size": int(p["block_size"]),
                   "num_blocks": int(self.num_blocks), "kv_dtype": p["kv_dtype"],
                   "on_device_sampling": bool(p["on_device_sampling"]),
+                  "logit_mask": bool(p["on_device_sampling"]),  # structured outputs' bitmask on device
                   "max_top_k": int(p["max_top_k"]), "deterministic": bool(p["deterministic"])}
         if t["kind"] == "prefill":
             return {"kind": "prefill", "tokens": int(t["tokens"]), "batch": 1, "kv_segment": int(t["kv_segment"] or 0),
@@ -297,18 +299,20 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         prefill = [r for r in rows if r.num_tokens > 1 or r.end < r.req.num_tokens]
         if prefill and len(rows) > 1:
             raise RuntimeError(MIXED_BATCH_ERROR.format(p=len(prefill), d=len(rows) - len(prefill)))
+        masks = plan.token_masks  # the grammar bitmask of the sampling rows (on-device sampling)
         if prefill:
             r = prefill[0]
             plp = r.req.prompt_logprobs
+            mask = masks[0] if masks is not None and r.samples else None
             if plp is not None and plp.needs_logits_at(r.start):
-                logits, tokens = self._scored_prefill(r.req, r.start, r.end)
+                logits, tokens = self._scored_prefill(r.req, r.start, r.end, mask)
             else:
-                logits, tokens = self._prefill(r.req, r.start, r.num_tokens, plan.scheduler_output)
+                logits, tokens = self._prefill(r.req, r.start, r.num_tokens, plan.scheduler_output, mask=mask)
             if not r.samples:
                 return StepResult()
         else:
             self._async_flow(plan.order)
-            logits, tokens = self._decode([r.req for r in rows])
+            logits, tokens = self._decode([r.req for r in rows], masks)
         if not self.plan["on_device_sampling"]:
             return StepResult(logits=logits)
         return StepResult(logits=logits, tokens=[[int(t)] for t in tokens])
@@ -340,7 +344,10 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         self.metrics.neff_executed(label)
         return out
 
-    def _sampling_inputs(self, rows: list[Request], n: int) -> dict[str, np.ndarray]:
+    def _sampling_inputs(self, rows: list[Request], n: int, masks: np.ndarray | None = None) -> dict[str, np.ndarray]:
+        """The on-device sampler's inputs for ``rows`` padded to ``n``: parameters, uniforms and
+        the ``logit_mask`` (``masks[i]``, the grammar's allowed tokens of row ``i``; every token
+        where None, and on padding rows)."""
         from vllm_npu.neuron.sampling import on_device_row
 
         params = np.zeros((n, 3), np.float32)
@@ -352,7 +359,10 @@ class NeuronWorker(RunnerHooks, NpuWorker):
                 rand[i] = float(torch.rand(1, generator=s.generator).item())
             else:
                 rand[i] = float(self._rng.random())
-        return {"sampling_params": params, "rand": rand}
+        logit_mask = np.ones((n, self._vocab), np.int32)
+        if masks is not None:
+            logit_mask[:len(masks)] = masks
+        return {"sampling_params": params, "rand": rand, "logit_mask": logit_mask}
 
     def _slots(self, seq: Request, start: int, n: int) -> np.ndarray:
         bs = int(self.plan["block_size"])
@@ -363,23 +373,28 @@ class NeuronWorker(RunnerHooks, NpuWorker):
                                     f"({len(blocks)} blocks of {bs})")
         return (blocks[pos // bs] * bs + pos % bs).astype(np.int32)
 
-    def _scored_prefill(self, seq: Request, start: int, end: int) -> tuple[np.ndarray, np.ndarray]:
+    def _scored_prefill(self, seq: Request, start: int, end: int, mask: np.ndarray | None = None
+                        ) -> tuple[np.ndarray, np.ndarray]:
         """Prefill ``seq``'s tokens ``[start, end)`` one token per NEFF call (each returns the
         logits after its token: the NEFFs give ``last_token_index``'s only), filling the
         request's prompt-logprob rows (:mod:`vllm_npu.prompt_logprobs`); the last call's
-        logits and tokens. Only the last call draws the on-device sampler's uniform."""
+        logits and tokens. Only the last call draws the on-device sampler's uniform and takes
+        the grammar's ``mask``."""
         assert seq.prompt_logprobs is not None
         logits = tokens = None
         for p in range(start, end):
-            logits, tokens = self._prefill(seq, p, 1, None, sample=p == end - 1)
+            last = p == end - 1
+            logits, tokens = self._prefill(seq, p, 1, None, sample=last, mask=mask if last else None)
             seq.prompt_logprobs.record(p, logits)
         self.stats["prompt_logprob_microsteps"] += end - start
         return logits, tokens
 
-    def _prefill(self, seq: Request, start: int, n: int, so, *, sample: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    def _prefill(self, seq: Request, start: int, n: int, so, *, sample: bool = True,
+                 mask: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Prefill ``n`` of ``seq``'s tokens from ``start`` on the bucket's NEFF (the scheduler's
         padded count from ``so``, else the smallest bucket that holds ``n``); ``sample`` False
-        draws no uniform for the on-device sampler (its token is not used)."""
+        draws no uniform for the on-device sampler (its token is not used); ``mask``: the
+        grammar's allowed tokens (on-device sampling)."""
         padded_map = getattr(so, "num_scheduled_tokens_padded", None) or {}
         from vllm_npu.neuron.buckets import get_bucket_for_count, target_name
 
@@ -401,14 +416,15 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table,
                   "last_token_index": np.array([n - 1], np.int32)}
         if self.plan["on_device_sampling"]:
-            inputs.update(self._sampling_inputs([seq], 1) if sample else
-                          {"sampling_params": np.zeros((1, 3), np.float32), "rand": np.zeros((1,), np.float32)})
+            inputs.update(self._sampling_inputs([seq], 1, None if mask is None else mask[None]) if sample else
+                          {"sampling_params": np.zeros((1, 3), np.float32), "rand": np.zeros((1,), np.float32),
+                           "logit_mask": np.ones((1, self._vocab), np.int32)})
         out = self._run(name, name, f"prefill of {seq.req_id} ({n} tokens on {name})", inputs)
         self.stats["prefills"] += 1
         self.stats["padded_tokens"] += t - n
         return out["logits"].reshape(1, -1), out.get("tokens", np.zeros(1, np.int32)).reshape(-1)
 
-    def _decode(self, seqs: list[Request]) -> tuple[np.ndarray, np.ndarray]:
+    def _decode(self, seqs: list[Request], masks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         from vllm_npu.neuron.buckets import decode_context_bucket, get_bucket_for_count, target_name
 
         n = len(seqs)
@@ -435,7 +451,7 @@ class NeuronWorker(RunnerHooks, NpuWorker):
             table[i, :k] = s.blocks[:k]
         inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table}
         if self.plan["on_device_sampling"]:
-            inputs.update(self._sampling_inputs(seqs, b))
+            inputs.update(self._sampling_inputs(seqs, b, masks))
         # the NEFF-count label names the real request count (reference §2.5)
         out = self._run(name, f"decode_b{n}", f"decode of {n} rows on {name}", inputs)
         self.stats["decodes"] += 1

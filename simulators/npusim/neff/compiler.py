@@ -65,6 +65,9 @@ class NeffSpec:
         num_blocks: KV blocks in the pool.
         kv_dtype: ``"auto"`` (float32) or ``"fp8_e4m3"`` (values stored clamped and rounded).
         on_device_sampling: the program also samples (``sampling_params``/``rand`` -> ``tokens``).
+        logit_mask: with ``on_device_sampling``, the program also takes ``logit_mask`` (int32
+            ``[rows, vocab]``, 1 = the token may be sampled): the grammar bitmask of structured
+            outputs, applied to the logits before sampling (the returned logits stay raw).
         max_top_k: width of the sampling kernel's top-k.
         deterministic: the sampler uses 0.5 instead of ``rand``.
     """
@@ -79,6 +82,7 @@ class NeffSpec:
     num_blocks: int = 64
     kv_dtype: str = "auto"
     on_device_sampling: bool = True
+    logit_mask: bool = False
     max_top_k: int = 256
     deterministic: bool = False
 
@@ -104,7 +108,9 @@ class NeffSpec:
             raise ValueError(f"NeffSpec context {self.context} exceeds max_model_len {self.max_model_len}")
         if self.kv_dtype not in KV_DTYPES:
             raise ValueError(f"NeffSpec kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
-        for name in ("on_device_sampling", "deterministic"):
+        if self.logit_mask is True and not self.on_device_sampling:
+            raise ValueError("NeffSpec logit_mask needs on_device_sampling (the mask applies before sampling)")
+        for name in ("on_device_sampling", "deterministic", "logit_mask"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"NeffSpec {name} must be a bool, got {getattr(self, name)!r}")
         if self.kind == "prefill":
@@ -250,6 +256,8 @@ def io_info(spec: NeffSpec, config: ModelConfig) -> tuple[list[dict[str, Any]], 
     if spec.on_device_sampling:
         ins += [{"name": "sampling_params", "shape": [rows, 3], "dtype": "float32"},
                 {"name": "rand", "shape": [rows], "dtype": "float32"}]
+        if spec.logit_mask:
+            ins.append(i32("logit_mask", rows, config.vocab_size))
         outs.append(i32("tokens", rows))
     return ins, outs
 

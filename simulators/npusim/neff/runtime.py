@@ -556,8 +556,18 @@ class NrtpyModel:
             if not spec.deterministic and (~((r >= 0) & (r < 1))).any():
                 raise _invalid(f"{spec.name}: rand of real rows must be uniforms in [0, 1), got {r.tolist()}")
             tokens = np.zeros(n_out, np.int32)
+            masked = logits
+            if spec.logit_mask:
+                mask = a["logit_mask"][real]
+                if ((mask != 0) & (mask != 1)).any():
+                    raise _invalid(f"{spec.name}: logit_mask values must be 0 or 1")
+                empty = [i for i, m in zip(real, mask) if not m.any()]
+                if empty:
+                    raise _invalid(f"{spec.name}: logit_mask of rows {empty} allows no token")
+                masked = logits.copy()
+                masked[real] = np.where(mask == 1, logits[real], -np.inf)
             if real:
-                tokens[real] = sample(logits[real], params[real], rand[real], max_top_k=spec.max_top_k,
+                tokens[real] = sample(masked[real], params[real], rand[real], max_top_k=spec.max_top_k,
                                       deterministic=spec.deterministic)
         return logits, tokens
 
