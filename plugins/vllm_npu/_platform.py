@@ -144,6 +144,20 @@ class NpuPlatform(Platform):
         return None
 
 
+#: Prompt logprobs of a prompt sent as embeddings (there are no prompt token ids to score).
+EMBEDS_LOGPROBS_REFUSAL = "prompt_logprobs score a prompt's token ids, and a prompt sent as prompt_embeds has none"
+
+
+def refuse_embeds_logprobs(params: Any, error: type[Exception]) -> None:
+    """Refuse ``prompt_logprobs`` on a ``prompt_embeds`` request (:data:`EMBEDS_LOGPROBS_REFUSAL`).
+
+    Raises:
+        error: they were asked for (``parameter="prompt_logprobs"``).
+    """
+    if getattr(params, "prompt_logprobs", None) is not None:
+        raise error(EMBEDS_LOGPROBS_REFUSAL, parameter="prompt_logprobs")
+
+
 def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: type[Exception],
                      serves_prompt_embeds: bool = False) -> None:
     """What a device worker with host sampling (:mod:`vllm_npu.host_sampling`) cannot honour,
@@ -157,7 +171,8 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
             embeddings from the host); else they are refused.
 
     Raises:
-        error: pooling requests, prompt embeddings (unless served),
+        error: pooling requests, prompt embeddings (unless served; served, with
+            ``prompt_logprobs``: :data:`EMBEDS_LOGPROBS_REFUSAL`),
             ``prompt_logprob_token_ids`` or ``thinking_token_budget`` (each named;
             ``parameter`` is the first). ``min_p``, ``min_tokens``, ``logit_bias``,
             ``allowed_token_ids``, ``logprob_token_ids`` and structured outputs are served:
@@ -169,10 +184,11 @@ def refuse_unsampled(processed_inputs: Any, params: Any, *, worker: str, error: 
 
     if not isinstance(params, SamplingParams):
         raise error(f"the {worker} serves text generation only (no pooling requests)")
-    if (not serves_prompt_embeds and isinstance(processed_inputs, dict)
-            and processed_inputs.get("prompt_embeds") is not None):
-        raise error(f"the {worker} takes token prompts only: prompt_embeds is not supported",
-                    parameter="prompt_embeds")
+    if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
+        if not serves_prompt_embeds:
+            raise error(f"the {worker} takes token prompts only: prompt_embeds is not supported",
+                        parameter="prompt_embeds")
+        refuse_embeds_logprobs(params, error)
     refused: list[tuple[str, str]] = []  # (parameter, text)
     if getattr(params, "prompt_logprob_token_ids", None) is not None:
         refused.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids"))

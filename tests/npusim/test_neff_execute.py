@@ -362,3 +362,34 @@ def test_logit_mask_restricts_on_device_sampling_and_leaves_the_logits_raw(model
         host.prefill(spec.name, prompt, 0, [0], logit_mask=mask * 2)
     with pytest.raises(ValueError, match="logit_mask needs on_device_sampling"):
         nrt.NeffSpec(kind="decode", on_device_sampling=False, logit_mask=True)
+
+
+def test_prompt_embeds_prefill_takes_embedding_rows_where_masked(model_dir, golden, tmp_path):
+    """A ``prompt_embeds`` prefill: masked positions take their ``inputs_embeds`` row, the others
+    their token's embedding; embeddings equal to the tokens' give the tokens' logits, other
+    embeddings the golden decoder's ``forward_embeddings``; a mask value other than 0/1 is refused."""
+    spec = nrt.NeffSpec(kind="prefill", tokens=16, max_model_len=MAXLEN, block_size=BS, num_blocks=NB,
+                        prompt_embeds=True)
+    host = Host(model_dir, {spec.name: nrt.compile_neff(spec, model_dir, tmp_path / "e.neff", target="trn2").path})
+    hidden = golden.config.hidden_size
+    prompt = [3, 17, 40, 9, 12]
+
+    def run(embeds, mask, ids=prompt):
+        inputs = host.prefill_inputs(spec.name, ids, 0, [0])
+        e = np.zeros((16, hidden), np.float32)
+        e[: len(embeds)] = embeds
+        m = np.zeros(16, np.int32)
+        m[: len(mask)] = mask
+        inputs.update(inputs_embeds=T(e), embeds_mask=i32(m))
+        return host.models[spec.name](inputs=inputs)["logits"].numpy()[0]
+
+    want = np.asarray(golden.prefill(prompt, golden.new_cache(len(prompt))))[-1]
+    assert np.allclose(run(golden.embed(prompt), [1] * 5, ids=[0] * 5), want, atol=1e-4)
+    assert np.allclose(run(golden.embed(prompt), [0, 1, 0, 1, 0], ids=[3, 0, 40, 0, 12]), want, atol=1e-4)
+    free = np.random.default_rng(0).normal(size=(5, hidden)).astype(np.float32)
+    ref = np.asarray(golden.forward_embeddings(free, golden.new_cache(5)))[-1]
+    assert np.allclose(run(free, [1] * 5, ids=[0] * 5), ref, atol=1e-4)
+    with pytest.raises(nrt.NrtError, match="embeds_mask values must be 0 or 1"):
+        run(free, [2] * 5)
+    with pytest.raises(ValueError, match="prompt_embeds is a prefill input"):
+        nrt.NeffSpec(kind="decode", prompt_embeds=True)

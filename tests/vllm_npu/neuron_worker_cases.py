@@ -57,7 +57,8 @@ def _worker(hf_dir, cache_root, *, cpu_sampling: bool):
     extra = {"neuron_config": {"on_device_sampling_config": None}} if cpu_sampling else {}
     cfg = EngineArgs(model=str(hf_dir), max_model_len=MAX_LEN, max_num_batched_tokens=SEGMENT, max_num_seqs=4,
                      block_size=BLOCK, num_gpu_blocks_override=BLOCKS, additional_config=extra,
-                     async_scheduling=False if cpu_sampling else None).create_engine_config()
+                     async_scheduling=False if cpu_sampling else None,
+                     enable_prompt_embeds=cpu_sampling).create_engine_config()
     assert cfg.parallel_config.worker_cls == WORKER_CLS, "the Neuron platform did not configure vLLM"
     w = NeuronWorker(cfg, 0, 0, "tcp://127.0.0.1:0")
     w.init_device()
@@ -183,3 +184,23 @@ def test_prompt_logprobs_equal_golden(request, hf_dir, golden, sampling):
     assert ids.shape == (16, 2) and ids[:, 0].tolist() == p[1:]
     assert np.abs(values[:, 0].numpy() - golden_prompt_logprobs(hf_dir, p)).max() <= 2e-4
     assert serve(d, ["p"])["p"] == golden(p, 3)
+
+
+def test_prompt_embeds_equal_their_tokens_and_the_golden_decoder(hf_dir, cpu_worker, golden):
+    """``--enable-prompt-embeds``: a prompt sent as its token embeddings decodes the tokens' greedy
+    output; other embeddings decode what the golden decoder does on them (the prefill NEFF takes
+    ``inputs_embeds``)."""
+    import torch
+
+    assert cpu_worker.plan["prompt_embeds"], "the cases' CPU-sampling worker runs with --enable-prompt-embeds"
+    dec = Decoder.from_pretrained(hf_dir)
+    d = Driver(cpu_worker, SEGMENT, block_size=BLOCK, num_blocks=BLOCKS)
+    (p,) = prompts(7, 19)
+    d.add("tok", None, greedy(6), prompt_embeds=torch.from_numpy(np.asarray(dec.embed(p), np.float32)))
+    free = np.random.default_rng(8).normal(0.0, 0.05, (11, dec.config.hidden_size)).astype(np.float32)
+    d.add("free", None, greedy(6), prompt_embeds=torch.from_numpy(free))
+    outs = serve(d, ["tok", "free"])
+    assert outs["tok"] == golden(p, 6)
+    cache = dec.new_cache(len(free) + 6)
+    want = dec.continue_greedy(dec.forward_embeddings(free, cache), cache, 6, set())
+    assert outs["free"] == [int(t) for t in want]

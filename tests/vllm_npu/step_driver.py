@@ -27,6 +27,7 @@ class DriverRequest:
     computed: int
     out: list[int] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    embeds: object = None  # a [T, hidden] torch tensor sent as the prompt (prompt ids: T zeros)
     sent: bool = False
     resumed: bool = False
     preempted: bool = False
@@ -58,8 +59,12 @@ class Driver:
         self.preempted: set[str] = set()
         self.prev: set[str] = set()
 
-    def add(self, rid, prompt, params, num_computed=0):
-        self.reqs[rid] = DriverRequest(rid, list(prompt), params, num_computed)
+    def add(self, rid, prompt, params, num_computed=0, prompt_embeds=None):
+        """A request; ``prompt_embeds`` (a ``[T, hidden]`` tensor): sent as vLLM sends an
+        embeddings prompt, with ``T`` placeholder ids 0 (``prompt`` is ignored)."""
+        if prompt_embeds is not None:
+            prompt = [0] * int(prompt_embeds.shape[0])
+        self.reqs[rid] = DriverRequest(rid, list(prompt), params, num_computed, embeds=prompt_embeds)
 
     def _release(self, r: DriverRequest) -> None:
         self.free_blocks.extend(r.blocks)
@@ -107,7 +112,8 @@ class Driver:
             if not r.sent:
                 new.append(NewRequestData(req_id=rid, prompt_token_ids=list(r.prompt), mm_features=[],
                                           sampling_params=r.params, pooling_params=None, block_ids=(list(r.blocks),),
-                                          num_computed_tokens=r.computed, lora_request=None))
+                                          num_computed_tokens=r.computed, lora_request=None,
+                                          prompt_embeds=r.embeds))
             else:
                 cached.append(r)
                 cached_new_blocks.append((list(r.blocks) if fresh else blocks,) if (blocks or fresh) else None)

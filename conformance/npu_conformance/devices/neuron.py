@@ -68,6 +68,7 @@ class NeuronLab(TinyModelLab):
     device: ClassVar[str] = "neuron"
     max_model_len: ClassVar[int] = 1024
     refusals: ClassVar[tuple[Refusal, ...]] = ODS_REFUSALS
+    serves_prompt_embeds: ClassVar[bool] = True  # the prefill NEFFs take inputs_embeds (the guide's section)
 
     def serving_args(self, **override: str) -> list[str]:
         """``--max-model-len`` and :data:`SERVING_ARGS`, with ``override`` (``{"--max-num-seqs": "4"}``)."""

@@ -498,9 +498,6 @@ class MbltPlatform(NpuPlatform):
         if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
             if cls._serving_vlm is not None or cls._serving_asr:
                 raise MbltRequestError(PROMPT_EMBEDS_MM_REFUSAL, parameter="prompt_embeds")
-            if getattr(params, "prompt_logprobs", None) is not None:
-                raise MbltRequestError("prompt_logprobs score a prompt's token ids, and a prompt sent as "
-                                       "prompt_embeds has none", parameter="prompt_logprobs")
         refuse_unsampled(processed_inputs, params, worker="MBLT worker", error=MbltRequestError,
                          serves_prompt_embeds=True)
         if cls._serving_vlm is not None:

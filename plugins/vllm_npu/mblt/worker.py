@@ -79,6 +79,7 @@ from vllm_npu.mblt.vlm import is_vlm_release
 from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, penalties_enabled
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
+from vllm_npu.prompt_embeds import prompt_embeds_of
 from vllm_npu.step_engine import Request, StepEngine, StepPlan, StepResult, new_request_fields
 from vllm_npu.step_output import StepOutputs
 
@@ -618,7 +619,7 @@ class MbltWorker(NpuWorker):
         st = _Req(**new_request_fields(new), kv=RequestKV(self._slot_for(vslot), owner=f"req_id={new.req_id}"),
                   vslot=vslot)
         if embeds is not None:
-            self._add_prompt_embeds(st, embeds, getattr(new, "prompt_is_token_ids", None))
+            self._add_prompt_embeds(st, new)
         elif self.vlm is not None:
             self._add_vision(st, new.mm_features or [], new.num_computed_tokens)
         elif new.mm_features:
@@ -635,42 +636,28 @@ class MbltWorker(NpuWorker):
                 logger.warning(MICROSTEP_WARNING)
         return st
 
-    def _add_prompt_embeds(self, st: _Req, embeds: Any, is_token: list[bool] | None) -> None:
-        """A request with ``prompt_embeds`` ``[T, hidden]`` (``--enable-prompt-embeds``): the MXQ
-        takes embeddings from the host, so they replace the token embeddings at their positions
-        (all of them, or where ``is_token`` is False in a mixed prompt). Their positions get
+    def _add_prompt_embeds(self, st: _Req, new: Any) -> None:
+        """A request with ``prompt_embeds`` (``--enable-prompt-embeds``,
+        :func:`vllm_npu.prompt_embeds.prompt_embeds_of`): the MXQ takes embeddings from the host,
+        so they replace the token embeddings at their positions. Their positions get
         content-derived ids for the KV bookkeeping (a prefix snapshot is reused only for the same
-        embeddings) and stand as padding (the vocabulary size) among the prompt ids the sampler's
-        penalties read.
+        embeddings).
 
         Raises:
-            MbltWorkerError: a VLM or ASR release (the platform refuses these first), embeddings
-                whose width is not the model's hidden size, or a length that is not the prompt's.
+            MbltWorkerError: a VLM or ASR release (the platform refuses these first).
+            vllm_npu.prompt_embeds.PromptEmbedsError: embeddings whose width is not the model's
+                hidden size, or a length that is not the prompt's.
         """
         assert self.backend is not None
         if self.vlm is not None or self.audio is not None:
             raise MbltWorkerError(f"req_id={st.req_id}: prompt_embeds on a release that places encoder embeddings")
-        rows = np.asarray(embeds.detach().to("cpu").float().numpy() if hasattr(embeds, "detach") else embeds,
-                          dtype=np.float32)
-        hidden = self.backend.hidden_size
-        if rows.ndim != 2 or rows.shape[1] != hidden:
-            raise MbltWorkerError(f"req_id={st.req_id}: prompt_embeds of shape {tuple(rows.shape)}, expected "
-                                  f"[tokens, {hidden}]")
-        n = rows.shape[0]
-        if not st.prompt_ids:
-            st.prompt_ids = [0] * n  # vLLM's placeholder ids of an embeddings-only prompt
-        if len(st.prompt_ids) != n:
-            raise MbltWorkerError(f"req_id={st.req_id}: {n} prompt_embeds rows for a {len(st.prompt_ids)}-token prompt")
-        mask = np.ones(n, bool) if is_token is None else ~np.asarray(is_token, bool)
-        st.prompt_ids = [0 if m else int(t) for t, m in zip(st.prompt_ids, mask)]
-        st.mm_pos = np.flatnonzero(mask)
-        st.mm_rows = rows[st.mm_pos]
+        pe = prompt_embeds_of(st, new, self.backend.hidden_size, self.backend.vocab_size)
+        assert pe is not None
+        st.mm_pos, st.mm_rows = pe.positions, pe.rows
         keys = list(st.prompt_ids)
-        digest = hashlib.blake2b(rows.tobytes(), digest_size=16).hexdigest()
-        for p, k in zip(st.mm_pos.tolist(), audio_key_ids(f"prompt_embeds:{digest}", int(st.mm_pos.size))):
+        for p, k in zip(pe.positions.tolist(), audio_key_ids(f"prompt_embeds:{pe.digest}", int(pe.positions.size))):
             keys[p] = k
         st.key_prompt_ids = keys
-        st.penalty_prompt_ids = [self.backend.vocab_size if m else t for t, m in zip(st.prompt_ids, mask)]
 
     def _add_audio(self, st: _Req, mm_features: list) -> None:
         """Encode a new request's audio clips (:func:`vllm_npu.mblt.asr.feature_rows`) and give

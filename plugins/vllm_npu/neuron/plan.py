@@ -119,7 +119,9 @@ def build(i: PlanInputs) -> Plan:
                             "model_name": i.model_name, "model_weight_bytes": i.model_weight_bytes,
                             "max_model_len": i.max_model_len, "block_size": i.block_size,
                             "geometry": {"num_layers": i.num_layers, "num_kv_heads": i.num_kv_heads,
-                                         "head_dim": i.head_dim}}
+                                         "head_dim": i.head_dim},
+                            # --enable-prompt-embeds: the prefill NEFFs take inputs_embeds
+                            "prompt_embeds": bool(i.enable_prompt_embeds)}
     ncfg = _check(errors, lambda: NeuronConfig.from_additional_config(i.additional_config))
     if ncfg is None:
         return Plan(data, errors)

@@ -201,8 +201,9 @@ class NeuronPlatform(NpuPlatform):
         """Refuse what the NEFFs do not do (vLLM answers HTTP 400 naming the parameter).
 
         Raises:
-            NeuronRequestError: pooling requests, prompt embeddings, and with on-device
-                sampling every parameter beyond temperature, top_k and top_p
+            NeuronRequestError: pooling requests, prompt logprobs of a prompt sent as
+                embeddings (the embeddings themselves are served: the prefill NEFFs take
+                ``inputs_embeds``), and with on-device sampling every parameter beyond temperature, top_k and top_p
                 (:func:`vllm_npu.neuron.sampling.ods_refusals`: structured outputs are served,
                 under the guide's on-device bitmask, without async scheduling); with CPU sampling what the
                 host sampler cannot honour (:func:`vllm_npu._platform.refuse_unsampled`), and
@@ -217,7 +218,8 @@ class NeuronPlatform(NpuPlatform):
 
         ods = getattr(cls, "_ods", True)  # set by configure in this process
         if not ods:
-            refuse_unsampled(processed_inputs, params, worker="Neuron worker (CPU sampling)", error=NeuronRequestError)
+            refuse_unsampled(processed_inputs, params, worker="Neuron worker (CPU sampling)", error=NeuronRequestError,
+                             serves_prompt_embeds=True)
             if getattr(params, "structured_outputs", None) is not None:
                 # The AWS Neuron guide (seed 002, "Tool calling", Note): "tool_choice="required" and
                 # named tool choice require on-device sampling. With CPU sampling, the logit_mask is
@@ -228,8 +230,9 @@ class NeuronPlatform(NpuPlatform):
         if not isinstance(params, SamplingParams):
             raise NeuronRequestError("the Neuron worker serves text generation only (no pooling requests)")
         if isinstance(processed_inputs, dict) and processed_inputs.get("prompt_embeds") is not None:
-            raise NeuronRequestError("the Neuron worker takes token prompts only: prompt_embeds is not supported",
-                                     parameter="prompt_embeds")
+            from vllm_npu._platform import refuse_embeds_logprobs
+
+            refuse_embeds_logprobs(params, NeuronRequestError)  # the prefill NEFFs take the embeddings
         from vllm_npu.neuron.sampling import ods_refusals
 
         fields = {name: getattr(params, name, None) for name in (

@@ -102,6 +102,8 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         self.kv: Any = None
         # its output builder is set with CPU sampling
         self._vocab = int(self.model_config.get_vocab_size())
+        #: request id -> its prompt embeddings (vllm_npu.prompt_embeds.PromptEmbeds)
+        self._embeds: dict[str, Any] = {}
         self.engine = StepEngine(self, vocab_size=self._vocab)
         self.sampler: Any = None
         self.metrics: Any = None
@@ -267,7 +269,7 @@ class NeuronWorker(RunnerHooks, NpuWorker):
                   "max_top_k": int(p["max_top_k"]), "deterministic": bool(p["deterministic"])}
         if t["kind"] == "prefill":
             return {"kind": "prefill", "tokens": int(t["tokens"]), "batch": 1, "kv_segment": int(t["kv_segment"] or 0),
-                    "context": int(p["max_model_len"]), **common}
+                    "context": int(p["max_model_len"]), "prompt_embeds": bool(p["prompt_embeds"]), **common}
         return {"kind": "decode", "tokens": 1, "batch": int(t["batch"]), "kv_segment": 0,
                 "context": int(t["context"]), **common}
 
@@ -285,6 +287,25 @@ class NeuronWorker(RunnerHooks, NpuWorker):
                 pass
 
     # ------------------------------------------------------------------ the step
+
+    def admit(self, new: Any) -> Request:
+        """A new request's record; its prompt embeddings (``--enable-prompt-embeds``) go to the
+        prefill NEFF's ``inputs_embeds`` (:mod:`vllm_npu.prompt_embeds`).
+
+        Raises:
+            vllm_npu.prompt_embeds.PromptEmbedsError: embeddings that are not ``[tokens, hidden]``.
+        """
+        from vllm_npu.prompt_embeds import prompt_embeds_of
+        from vllm_npu.step_engine import new_request_fields
+
+        req = Request(**new_request_fields(new))
+        embeds = prompt_embeds_of(req, new, int(self.model_config.get_hidden_size()), self._vocab)
+        if embeds is not None:
+            self._embeds[req.req_id] = embeds
+        return req
+
+    def finish(self, req: Request) -> None:
+        self._embeds.pop(req.req_id, None)
 
     def run_step(self, plan: StepPlan) -> StepResult:
         """One prefill (a segment of a prompt, or a whole one) or one decode of every row
@@ -415,6 +436,8 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         table[:len(seq.blocks)] = seq.blocks[:max_blocks]
         inputs = {"input_ids": ids, "position_ids": pos, "slot_mapping": slots, "block_table": table,
                   "last_token_index": np.array([n - 1], np.int32)}
+        if self.plan["prompt_embeds"]:
+            inputs.update(self._embeds_inputs(seq, start, n, t))
         if self.plan["on_device_sampling"]:
             inputs.update(self._sampling_inputs([seq], 1, None if mask is None else mask[None]) if sample else
                           {"sampling_params": np.zeros((1, 3), np.float32), "rand": np.zeros((1,), np.float32),
@@ -423,6 +446,19 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         self.stats["prefills"] += 1
         self.stats["padded_tokens"] += t - n
         return out["logits"].reshape(1, -1), out.get("tokens", np.zeros(1, np.int32)).reshape(-1)
+
+    def _embeds_inputs(self, seq: Request, start: int, n: int, t: int) -> dict[str, np.ndarray]:
+        """The prefill NEFF's ``inputs_embeds`` / ``embeds_mask`` for ``seq``'s tokens
+        ``[start, start + n)`` padded to ``t`` (mask 0: the token's own embedding)."""
+        hidden = int(self.model_config.get_hidden_size())
+        rows = np.zeros((t, hidden), np.float32)
+        mask = np.zeros(t, np.int32)
+        pe = self._embeds.get(seq.req_id)
+        if pe is not None:
+            offsets, values = pe.window(start, n)
+            rows[offsets] = values
+            mask[offsets] = 1
+        return {"inputs_embeds": rows, "embeds_mask": mask}
 
     def _decode(self, seqs: list[Request], masks: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         from vllm_npu.neuron.buckets import decode_context_bucket, get_bucket_for_count, target_name

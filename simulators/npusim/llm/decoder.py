@@ -328,6 +328,26 @@ class Decoder:
             raise ValueError(f"embeddings must be numeric, got dtype {x.dtype}")
         return self._forward([x.astype(self.dtype, copy=False)], [cache])[0]
 
+    def step_batch_embeddings(self, batch: Sequence[tuple[np.ndarray, KVCache]]) -> list[np.ndarray]:
+        """:meth:`step_batch` from input embeddings ``[T_i, hidden_size]`` per sequence (as
+        :meth:`forward_embeddings`: ``step_batch_embeddings([(embed(ids), c)])`` equals
+        ``step_batch([(ids, c)])``).
+
+        Raises:
+            ValueError: embeddings that are not ``[T, hidden_size]`` with ``T >= 1``.
+            KVCacheOverflowError: a sequence's tokens do not fit in its cache.
+        """
+        h = self.config.hidden_size
+        xs, caches = [], []
+        for i, (embeds, cache) in enumerate(batch):
+            x = np.asarray(embeds)
+            if x.ndim != 2 or x.shape[1] != h or x.shape[0] < 1 or x.dtype.kind not in "fiu":
+                raise ValueError(f"batch item {i}: expected numeric embeddings of shape [T, {h}] with T >= 1, "
+                                 f"got shape {x.shape} ({x.dtype})")
+            xs.append(x.astype(self.dtype, copy=False))
+            caches.append(cache)
+        return self._forward(xs, caches)
+
     def step_batch(self, batch: Sequence[tuple[Sequence[int] | np.ndarray, KVCache]]) -> list[np.ndarray]:
         """Run several sequences in one flattened batch; returns ``[T_i, vocab_size]`` float32 per sequence.
 

@@ -68,6 +68,9 @@ class NeffSpec:
         logit_mask: with ``on_device_sampling``, the program also takes ``logit_mask`` (int32
             ``[rows, vocab]``, 1 = the token may be sampled): the grammar bitmask of structured
             outputs, applied to the logits before sampling (the returned logits stay raw).
+        prompt_embeds: a prefill that also takes ``inputs_embeds`` (float32 ``[tokens, hidden]``)
+            and ``embeds_mask`` (int32 ``[tokens]``, 1 = the position's input is its
+            ``inputs_embeds`` row, 0 = its token's embedding): ``--enable-prompt-embeds``.
         max_top_k: width of the sampling kernel's top-k.
         deterministic: the sampler uses 0.5 instead of ``rand``.
     """
@@ -83,6 +86,7 @@ class NeffSpec:
     kv_dtype: str = "auto"
     on_device_sampling: bool = True
     logit_mask: bool = False
+    prompt_embeds: bool = False
     max_top_k: int = 256
     deterministic: bool = False
 
@@ -110,7 +114,9 @@ class NeffSpec:
             raise ValueError(f"NeffSpec kv_dtype must be one of {KV_DTYPES}, got {self.kv_dtype!r}")
         if self.logit_mask is True and not self.on_device_sampling:
             raise ValueError("NeffSpec logit_mask needs on_device_sampling (the mask applies before sampling)")
-        for name in ("on_device_sampling", "deterministic", "logit_mask"):
+        if self.prompt_embeds is True and self.kind != "prefill":
+            raise ValueError("NeffSpec prompt_embeds is a prefill input (a decode step feeds a generated token)")
+        for name in ("on_device_sampling", "deterministic", "logit_mask", "prompt_embeds"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"NeffSpec {name} must be a bool, got {getattr(self, name)!r}")
         if self.kind == "prefill":
@@ -248,6 +254,9 @@ def io_info(spec: NeffSpec, config: ModelConfig) -> tuple[list[dict[str, Any]], 
         t = spec.tokens
         ins = [kv, i32("input_ids", t), i32("position_ids", t), i32("slot_mapping", t),
                i32("block_table", -(-spec.max_model_len // spec.block_size)), i32("last_token_index", 1)]
+        if spec.prompt_embeds:
+            ins += [{"name": "inputs_embeds", "shape": [t, config.hidden_size], "dtype": "float32"},
+                    i32("embeds_mask", t)]
     else:
         b = spec.batch
         ins = [kv, i32("input_ids", b), i32("position_ids", b), i32("slot_mapping", b),

@@ -259,10 +259,13 @@ def _invalid(msg: str) -> NrtError:
 class _Row:
     """One real sequence of a call: its new tokens, the position of the first, slots and blocks."""
 
-    __slots__ = ("index", "ids", "start", "slots", "table")
+    __slots__ = ("index", "ids", "start", "slots", "table", "embeds", "embeds_mask")
 
-    def __init__(self, index: int, ids: np.ndarray, start: int, slots: np.ndarray, table: np.ndarray) -> None:
+    def __init__(self, index: int, ids: np.ndarray, start: int, slots: np.ndarray, table: np.ndarray,
+                 embeds: np.ndarray | None = None, embeds_mask: np.ndarray | None = None) -> None:
         self.index, self.ids, self.start, self.slots, self.table = index, ids, start, slots, table
+        #: prompt embeddings: ``[len(ids), hidden]`` rows, used where ``embeds_mask`` is 1
+        self.embeds, self.embeds_mask = embeds, embeds_mask
 
 
 class NrtpyModel:
@@ -472,7 +475,14 @@ class NrtpyModel:
             last = int(a["last_token_index"][0])
             if not 0 <= last < n:
                 raise _invalid(f"{spec.name}: last_token_index {last} is not one of the {n} real tokens")
-            rows.append(_Row(0, ids[:n], p0, slots[:n], table))
+            embeds = mask = None
+            if spec.prompt_embeds:
+                embeds, mask = a["inputs_embeds"][:n], a["embeds_mask"][:n]
+                if ((mask != 0) & (mask != 1)).any():
+                    raise _invalid(f"{spec.name}: embeds_mask values must be 0 or 1")
+                if not np.isfinite(embeds[mask == 1]).all():
+                    raise _invalid(f"{spec.name}: inputs_embeds of the masked positions must be finite")
+            rows.append(_Row(0, ids[:n], p0, slots[:n], table, embeds, mask))
         else:
             s = spec.context
             for r in np.flatnonzero(slots != -1):
@@ -518,7 +528,17 @@ class NrtpyModel:
                     cache.values[layer][:, : row.start] = pool[layer, 1, blocks, offs].transpose(1, 0, 2)
                 cache.advance(row.start)
             caches.append(cache)
-        logits = dec.step_batch([(row.ids.astype(np.int64), c) for row, c in zip(rows, caches)])
+        if any(row.embeds_mask is not None and row.embeds_mask.any() for row in rows):
+            xs = []
+            for row in rows:
+                x = dec.embed(row.ids.astype(np.int64))
+                if row.embeds_mask is not None:
+                    use = row.embeds_mask == 1
+                    x[use] = row.embeds[use]
+                xs.append(x)
+            logits = dec.step_batch_embeddings(list(zip(xs, caches)))
+        else:
+            logits = dec.step_batch([(row.ids.astype(np.int64), c) for row, c in zip(rows, caches)])
         fp8 = device_info(self.target).fp8_e4m3_max if spec.kv_dtype == "fp8_e4m3" else None
         for row, cache in zip(rows, caches):
             s = row.slots.astype(np.int64)
