@@ -19,7 +19,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["PromptEmbeds", "PromptEmbedsError", "prompt_embeds_of"]
+__all__ = ["PromptEmbeds", "PromptEmbedsError", "prompt_embeds_of", "content_key_ids"]
+
+
+def content_key_ids(identifier: str, n: int) -> list[int]:
+    """Negative ids standing for ``n`` positions of content named ``identifier`` (embeddings by
+    their digest, an audio clip or an image by vLLM's item hash) in a device's KV bookkeeping: a
+    pure function of ``identifier``, never equal to a token id or another item's."""
+    return [-1 - int.from_bytes(hashlib.blake2b(f"{identifier}:{i}".encode(), digest_size=7).digest(), "little")
+            for i in range(n)]
 
 
 class PromptEmbedsError(ValueError):
@@ -40,6 +48,15 @@ class PromptEmbeds:
     positions: np.ndarray
     rows: np.ndarray
     digest: str
+
+    def key_ids(self, prompt_ids: list[int]) -> list[int]:
+        """``prompt_ids`` with content-derived ids (:func:`content_key_ids`) at the embedding
+        positions: what a device's prefix bookkeeping compares, so KV is reused only for the
+        same embeddings."""
+        keys = list(prompt_ids)
+        for p, k in zip(self.positions.tolist(), content_key_ids(f"prompt_embeds:{self.digest}", int(self.positions.size))):
+            keys[p] = k
+        return keys
 
     def window(self, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """The offsets in ``[0, n)`` of the embedding positions in ``[start, start + n)``, and their rows."""

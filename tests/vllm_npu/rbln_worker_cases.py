@@ -42,15 +42,16 @@ def golden(hf_dir):
 
 @pytest.fixture(scope="module")
 def worker(hf_dir, tmp_path_factory):
-    """One loaded worker for the module (the compile runs once, into a module cache root)."""
+    """One loaded worker for the module (the compile runs once, into a module cache root), with
+    ``--enable-prompt-embeds``: optimum-rbln compiles the graphs to take ``inputs_embeds``."""
     from vllm.engine.arg_utils import EngineArgs
 
     from vllm_npu.rbln.worker import RblnOptimumWorker
 
     os.environ["NPU_HARNESS_TARGET"] = "rbln-sim"
     os.environ["VLLM_CACHE_ROOT"] = str(tmp_path_factory.mktemp("cache"))
-    cfg = EngineArgs(model=str(hf_dir), max_model_len=MAX_LEN, block_size=BLOCK,
-                     max_num_seqs=MAX_SEQS).create_engine_config()
+    cfg = EngineArgs(model=str(hf_dir), max_model_len=MAX_LEN, block_size=BLOCK, max_num_seqs=MAX_SEQS,
+                     enable_prompt_embeds=True).create_engine_config()
     assert cfg.parallel_config.worker_cls == WORKER_CLS, "the RBLN platform did not configure vLLM"
     w = RblnOptimumWorker(cfg, 0, 0, "tcp://127.0.0.1:0")
     w.init_device()
@@ -167,3 +168,24 @@ def test_prompt_logprobs_equal_golden_beside_a_decoding_request(worker, hf_dir, 
     assert ids.shape == (20, 3) and ids[:, 0].tolist() == p[1:]
     assert np.abs(values[:, 0].numpy() - golden_prompt_logprobs(hf_dir, p)).max() <= 2e-4
     assert worker.stats["prompt_logprob_microsteps"] >= 21
+
+
+def test_prompt_embeds_equal_their_tokens_and_the_golden_decoder(worker, hf_dir, golden):
+    """A prompt sent as its token embeddings decodes the tokens' greedy output, beside a token
+    request; other embeddings decode what the golden decoder does on them."""
+    import torch
+
+    assert worker.spec.use_inputs_embeds
+    dec = Decoder.from_pretrained(hf_dir)
+    d = driver(worker, chunk=9)
+    p, q = prompts(9, 23, 14)
+    d.add("tok", None, greedy(6), prompt_embeds=torch.from_numpy(np.asarray(dec.embed(p), np.float32)))
+    d.add("ids", q, greedy(6))
+    free = np.random.default_rng(8).normal(0.0, 0.05, (11, dec.config.hidden_size)).astype(np.float32)
+    d.add("free", None, greedy(6), prompt_embeds=torch.from_numpy(free))
+    outs = d.run(["tok", "ids", "free"])
+    d.flush()
+    assert outs["tok"] == golden(p, 6) and outs["ids"] == golden(q, 6)
+    cache = dec.new_cache(len(free) + 6)
+    want = dec.continue_greedy(dec.forward_embeddings(free, cache), cache, 6, set())
+    assert outs["free"] == [int(t) for t in want]

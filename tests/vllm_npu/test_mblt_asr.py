@@ -24,7 +24,7 @@ from vllm_npu.mblt.asr import (  # noqa: E402
     feature_rows,
 )
 from vllm_npu.mblt.errors import MbltBackendError  # noqa: E402
-from vllm_npu.mblt.worker import audio_key_ids  # noqa: E402
+from vllm_npu.prompt_embeds import content_key_ids as audio_key_ids  # noqa: E402
 
 
 @pytest.mark.parametrize(("frames", "tokens"), [(0, 0), (1, 1), (2, 1), (3, 1), (5, 1), (9, 2), (17, 3), (99, 13),

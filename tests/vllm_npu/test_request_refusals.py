@@ -60,7 +60,8 @@ def test_unlimited_thinking_budget_is_not_refused():
 def test_prompt_embeds_served_by_mblt_text_releases_and_refused_elsewhere(monkeypatch):
     """MBLT's MXQs take embeddings from the host: a text (or MoE) release serves prompt_embeds;
     a VLM or ASR release, whose prompt positions are also an encoder's, refuses them, and so do
-    prompt logprobs of an embeddings prompt (no token ids to score). RBLN refuses them."""
+    prompt logprobs of an embeddings prompt (no token ids to score). RBLN refuses them unless its
+    model was compiled to take ``inputs_embeds`` (``--enable-prompt-embeds``; not configured here)."""
     from vllm_npu.mblt.platform import PROMPT_EMBEDS_MM_REFUSAL
 
     MbltPlatform.validate_request({"prompt_embeds": object()}, SamplingParams())

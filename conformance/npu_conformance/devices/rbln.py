@@ -61,6 +61,8 @@ class RblnLab(TinyModelLab):
     writes_plan: ClassVar[bool] = True
     #: What ``RblnPlatform.validate_request`` refuses (``vllm_npu.rbln.platform``).
     refusals: ClassVar[tuple[Refusal, ...]] = HOST_SAMPLER_REFUSALS
+    #: --enable-prompt-embeds (HOST_SERVING_ARGS): optimum-rbln compiles the graphs to take inputs_embeds
+    serves_prompt_embeds: ClassVar[bool] = True
 
     def serving_server(self) -> vs.Server:
         """The standard server, which also samples on the host (with vLLM's tool-call parser)."""

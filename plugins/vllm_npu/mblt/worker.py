@@ -50,7 +50,6 @@ never started from a snapshot; when it finishes, its KV becomes a snapshot like 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
@@ -79,7 +78,7 @@ from vllm_npu.mblt.vlm import is_vlm_release
 from vllm_npu.mblt.sampling import PENALTIES_ENV, HostSampler, penalties_enabled
 from vllm_npu.mblt.slots import MbltCacheStateError, RequestKV, SlotTable
 from vllm_npu.targets import selected_target
-from vllm_npu.prompt_embeds import prompt_embeds_of
+from vllm_npu.prompt_embeds import content_key_ids, prompt_embeds_of
 from vllm_npu.step_engine import Request, StepEngine, StepPlan, StepResult, new_request_fields
 from vllm_npu.step_output import StepOutputs
 
@@ -134,13 +133,6 @@ class _Req(Request):
     def all_ids(self) -> list[int]:
         """The ids the KV bookkeeping compares (a slot's and a snapshot's ``token_ids``)."""
         return (self.key_prompt_ids or self.prompt_ids) + self.output_ids
-
-
-def audio_key_ids(identifier: str, n: int) -> list[int]:
-    """Negative ids standing for a clip's ``n`` audio positions in the KV bookkeeping: a pure
-    function of vLLM's item hash, never equal to a token id or another clip's."""
-    return [-1 - int.from_bytes(hashlib.blake2b(f"{identifier}:{i}".encode(), digest_size=7).digest(), "little")
-            for i in range(n)]
 
 
 def _load_embeddings(model_dir: str, name: str = EMBED_TENSOR, what: str = "the host-side embedding") -> np.ndarray:
@@ -654,10 +646,7 @@ class MbltWorker(NpuWorker):
         pe = prompt_embeds_of(st, new, self.backend.hidden_size, self.backend.vocab_size)
         assert pe is not None
         st.mm_pos, st.mm_rows = pe.positions, pe.rows
-        keys = list(st.prompt_ids)
-        for p, k in zip(pe.positions.tolist(), audio_key_ids(f"prompt_embeds:{pe.digest}", int(pe.positions.size))):
-            keys[p] = k
-        st.key_prompt_ids = keys
+        st.key_prompt_ids = pe.key_ids(st.prompt_ids)
 
     def _add_audio(self, st: _Req, mm_features: list) -> None:
         """Encode a new request's audio clips (:func:`vllm_npu.mblt.asr.feature_rows`) and give
@@ -674,7 +663,7 @@ class MbltWorker(NpuWorker):
         st.mm_rows = np.concatenate([rows for _clip, _pos, rows in items], axis=0)
         keys = list(st.prompt_ids)
         for clip, pos, _rows in items:
-            for p, k in zip(pos.tolist(), audio_key_ids(clip, pos.size)):
+            for p, k in zip(pos.tolist(), content_key_ids(clip, pos.size)):
                 keys[p] = k
         st.key_prompt_ids = keys
 
@@ -709,7 +698,7 @@ class MbltWorker(NpuWorker):
         st.covered_until = max((it.end for it in items if it.rows is None), default=0)
         keys = list(st.prompt_ids)
         for it in items:
-            for p, k in zip(it.positions.tolist(), audio_key_ids(it.identifier, it.positions.size)):
+            for p, k in zip(it.positions.tolist(), content_key_ids(it.identifier, it.positions.size)):
                 keys[p] = k
         st.key_prompt_ids = keys
         if rel.text.has_rope:

@@ -99,6 +99,7 @@ class CompiledModelSpec:
         decoder_batch_sizes: the compiled decode batch buckets, ascending.
         dtype: the compiled dtype name.
         attn_impl: ``eager`` or ``flash_attn``.
+        use_inputs_embeds: the graphs take ``inputs_embeds`` (token ids are embedded on the host).
     """
 
     path: str
@@ -111,6 +112,7 @@ class CompiledModelSpec:
     decoder_batch_sizes: tuple[int, ...]
     dtype: str
     attn_impl: str
+    use_inputs_embeds: bool = False
 
     @property
     def model_class(self) -> str:
@@ -139,7 +141,8 @@ class CompiledModelSpec:
             buckets = tuple(sorted(int(b) for b in (raw.get("decoder_batch_sizes") or [batch])))
             return cls(str(path), str(raw["cls_name"]), batch, max_seq_len, block,
                        int(raw["prefill_chunk_size"]), int(raw.get("kvcache_num_blocks") or 0),
-                       buckets, str(raw.get("dtype", "float32")), str(raw.get("attn_impl") or "eager"))
+                       buckets, str(raw.get("dtype", "float32")), str(raw.get("attn_impl") or "eager"),
+                       bool(raw.get("use_inputs_embeds", False)))
         except (KeyError, TypeError, ValueError) as exc:
             if isinstance(exc, CompilePlanError):
                 raise

@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from vllm_npu.vllm_version import require_supported_vllm
 
@@ -80,6 +80,9 @@ class RblnPlatform(NpuPlatform):
     worker_cls = WORKER_CLS
     npu_name = "rbln"
     device_control_env_var: str = "RBLN_VISIBLE_DEVICES"
+    #: The worker takes ``prompt_embeds`` (set by :meth:`configure`: the optimum path compiled
+    #: with ``use_inputs_embeds`` under ``--enable-prompt-embeds``).
+    _prompt_embeds: ClassVar[bool] = False
 
     @classmethod
     def pre_register_and_update(cls, parser: Any = None) -> None:
@@ -124,6 +127,7 @@ class RblnPlatform(NpuPlatform):
             # as the user's (the KV block becomes the prefix-cache sub-block).
             if extra[PLAN_KEY].get("impl") == "vllm":
                 vllm_config.parallel_config.worker_cls = VLLM_WORKER_CLS
+            cls._prompt_embeds = bool(extra[PLAN_KEY].get("prompt_embeds"))
             return
         extra = dict(extra) if isinstance(extra, dict) else extra
         res = model_impl.resolve_model_impl(flag, extra, os.environ, mc.model)
@@ -135,6 +139,7 @@ class RblnPlatform(NpuPlatform):
             name = None
         model_impl.reject_disabled(res, name)
         if res.impl == "vllm":
+            cls._prompt_embeds = False  # vLLM's model code on the vllm path takes token ids only
             cls._configure_vllm_path(vllm_config, extra, name)
             return
         opts, _warnings = options.resolve(options.OptimumRBLNConfig, extra)
@@ -155,6 +160,16 @@ class RblnPlatform(NpuPlatform):
 
         user_block = cache.block_size if cache.user_specified_block_size else None
         compiled = mc.model if model_impl.is_compiled_dir(mc.model) else None
+        # --enable-prompt-embeds: optimum-rbln compiles the graphs to take inputs_embeds (its
+        # use_inputs_embeds; token ids are then embedded on the host by its embed_tokens)
+        embeds = bool(getattr(mc, "enable_prompt_embeds", False))
+        overrides = dict(opts.optimum_overrides or {})
+        if embeds:
+            if overrides.get("use_inputs_embeds", True) is not True:
+                raise RblnConfigError(
+                    f"--enable-prompt-embeds needs the model compiled with use_inputs_embeds, but the rbln_config "
+                    f"override sets use_inputs_embeds={overrides['use_inputs_embeds']!r}")
+            overrides["use_inputs_embeds"] = True
         compile_cfg = None
         if compiled is None:
             if name is None:
@@ -168,7 +183,7 @@ class RblnPlatform(NpuPlatform):
                 model_name=str(mc.model), batch_size=int(sched.max_num_seqs), block_size=user_block,
                 max_model_len=int(mc.max_model_len), num_devices=opts.num_devices_per_local_rank,
                 dtype=mc.dtype, max_num_batched_tokens=user_tokens,
-                memory_budget=float(cache.gpu_memory_utilization), optimum_overrides=opts.optimum_overrides,
+                memory_budget=float(cache.gpu_memory_utilization), optimum_overrides=overrides,
                 compiler_version=compiler, optimum_rbln_version=optimum)
             from vllm import envs
 
@@ -181,11 +196,16 @@ class RblnPlatform(NpuPlatform):
                     max_num_seqs=int(sched.max_num_seqs), max_model_len=int(mc.max_model_len),
                     block_size=user_block, num_devices=opts.num_devices_per_local_rank,
                     prefill_chunk_size=device.prefill_chunk_size(name), npu=name,
-                    overrides=opts.optimum_overrides)
+                    overrides=overrides)
                 logger.info("RBLN compile cache: no entry at %s; the worker compiles it (key %s)",
                             cached, dict(key.factors))
         if compiled is not None:
             spec = cp.CompiledModelSpec.from_dir(compiled)
+            if embeds and not spec.use_inputs_embeds:
+                raise RblnConfigError(
+                    f"--enable-prompt-embeds: the compiled model {compiled} takes token ids only (compiled "
+                    "without use_inputs_embeds); compile it with use_inputs_embeds, or serve without "
+                    "--enable-prompt-embeds")
             splan = cp.scheduler_plan(spec, user_max_num_batched_tokens=user_tokens,
                                       user_block_size=user_block)
             model_class = spec.model_class
@@ -240,7 +260,9 @@ class RblnPlatform(NpuPlatform):
             "npu": name,
             "attn_block_size": block,
             "prefix": prefix,
+            "prompt_embeds": embeds,
         }
+        cls._prompt_embeds = embeds
         resolved = {k: v for k, v in vars(opts).items() if v is not None}
         vllm_config.additional_config = {**resolved, PLAN_KEY: plan}
         logger.info("RBLN platform: %s on %s, model %s (%s), max_num_seqs %d, block_size %d, "
@@ -389,7 +411,10 @@ class RblnPlatform(NpuPlatform):
         """
         from vllm_npu.rbln.errors import RblnRequestError
 
-        refuse_unsampled(processed_inputs, params, worker="RBLN optimum worker", error=RblnRequestError)
+        # prompt embeddings: served when the model is compiled to take inputs_embeds
+        # (--enable-prompt-embeds on the optimum path), refused by name otherwise
+        refuse_unsampled(processed_inputs, params, worker="RBLN optimum worker", error=RblnRequestError,
+                         serves_prompt_embeds=bool(getattr(cls, "_prompt_embeds", False)))
 
     @classmethod
     def log_warnings(cls) -> None:

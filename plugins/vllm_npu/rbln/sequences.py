@@ -60,6 +60,16 @@ class Seq(Request):
 
     device_len: int = 0         # tokens whose KV is on the device
     phys: list[int] | None = None  # prefix mode: the device blocks the table gave it
+    #: prompt embeddings (vllm_npu.prompt_embeds.PromptEmbeds), None for a token prompt
+    embeds: Any = None
+    #: the prompt's ids for the KV bookkeeping: embedding positions hold content-derived ids
+    key_prompt_ids: list[int] | None = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        """The ids the table plans and compares (a prefix is reused only for the same ids):
+        embedding positions hold their content-derived ids."""
+        return (self.key_prompt_ids or self.prompt_ids) + self.output_ids
 
     def device_blocks(self, width: int) -> list[int]:
         """The device block table, ``width`` entries (unused entries are block 0)."""

@@ -95,8 +95,25 @@ class RblnStepWorker(NpuWorker):
     # ------------------------------------------------------------------ the device runner
 
     def admit(self, new: Any) -> Seq:
+        """A new request's sequence; its prompt embeddings (:mod:`vllm_npu.prompt_embeds`), keyed
+        by content for the prefix bookkeeping.
+
+        Raises:
+            RblnWorkerError: embeddings for a model that takes token ids only (the platform
+                refuses them first).
+            vllm_npu.prompt_embeds.PromptEmbedsError: embeddings that are not ``[tokens, hidden]``.
+        """
+        from vllm_npu.prompt_embeds import prompt_embeds_of
+
         assert self.table is not None
-        return self.table.admit(Seq(**new_request_fields(new)))
+        seq = Seq(**new_request_fields(new))
+        if getattr(new, "prompt_embeds", None) is not None:
+            if not self.plan["prompt_embeds"]:
+                raise RblnWorkerError(f"req_id={seq.req_id}: prompt_embeds for a model that takes token ids only")
+            seq.embeds = prompt_embeds_of(seq, new, int(self.model_config.get_hidden_size()),
+                                          int(self.model_config.get_vocab_size()))
+            seq.key_prompt_ids = seq.embeds.key_ids(seq.prompt_ids)
+        return self.table.admit(seq)
 
     def finish(self, req: Request) -> None:
         assert self.table is not None
@@ -251,11 +268,11 @@ class RblnOptimumWorker(RblnStepWorker):
                 logger.info("RBLN prefix cache: req %s reuses %d of %d tokens (%d block(s) copied)",
                             p.seq.req_id, p.start, len(p.ids), len(p.copies))
                 self.stats["prefix_reused_tokens"] += p.start
-            ids = torch.tensor([p.ids[p.start:]], dtype=torch.int64)
             pos = torch.arange(p.start, len(p.ids), dtype=torch.int32).unsqueeze(0)
             tbl = torch.tensor(p.table, dtype=torch.int16)
+            feed = self._prefill_inputs(p)
             out = self._device_call(f"prefill of {p.seq.req_id} ({len(p.ids)} tokens)",
-                                    lambda: self.model.prefill_decoder(input_ids=ids, cache_position=pos,
+                                    lambda: self.model.prefill_decoder(**feed, cache_position=pos,
                                                                        block_tables=tbl).logits)
             rows.append(out.reshape(-1, out.shape[-1])[-1].float().numpy())
             self.stats["prefills"] += 1
@@ -281,6 +298,20 @@ class RblnOptimumWorker(RblnStepWorker):
                 logger.info("RBLN decode: %d rows on the batch-%d decoder (%d padding rows)",
                             len(d.seqs), d.batch, d.batch - len(d.seqs))
         return np.stack(rows) if rows else np.zeros((0, 1), np.float32)
+
+    def _prefill_inputs(self, p) -> dict[str, torch.Tensor]:
+        """``input_ids`` of the prefill's tokens, or, for a prompt with embeddings, its
+        ``inputs_embeds``: the tokens' embeddings (optimum-rbln's host ``embed_tokens``) with the
+        request's rows at their positions."""
+        seq = p.seq
+        if seq.embeds is None:
+            return {"input_ids": torch.tensor([p.ids[p.start:]], dtype=torch.int64)}
+        n = len(p.ids) - p.start
+        with torch.no_grad():
+            x = self.model.embed_tokens(torch.tensor([seq.token_ids(p.start, len(p.ids))], dtype=torch.int64)).clone()
+        offsets, rows = seq.embeds.window(p.start, n)
+        x[0, torch.as_tensor(offsets, dtype=torch.int64)] = torch.from_numpy(rows).to(x.dtype)
+        return {"inputs_embeds": x}
 
     def _scored_prefill(self, p) -> np.ndarray:
         """A prompt whose positions are all scored (prompt logprobs, :mod:`vllm_npu.prompt_logprobs`):
