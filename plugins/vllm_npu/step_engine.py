@@ -240,16 +240,21 @@ class StepEngine:
             None when the device samples (its :class:`StepResult` carries tokens).
         vocab_size: the logits width (top-``k`` of prompt logprobs is capped at it); None: no
             request is given prompt-logprob rows (a runner whose platform refuses them).
+        logprobs_sampler: for a device that samples: the host sampler whose metadata and
+            ``--logprobs-mode`` its tokens' logprobs follow
+            (:func:`vllm_npu.step_output.device_logprobs`); None: no logprobs.
 
     Attributes:
         reqs: request id -> record, for every request vLLM has admitted and not finished.
         steps: steps that scheduled at least one request.
     """
 
-    def __init__(self, runner: DeviceRunner, outputs: Any = None, vocab_size: int | None = None) -> None:
+    def __init__(self, runner: DeviceRunner, outputs: Any = None, vocab_size: int | None = None,
+                 logprobs_sampler: Any = None) -> None:
         self.runner = runner
         self.outputs = outputs
         self.vocab_size = vocab_size
+        self.logprobs_sampler = logprobs_sampler
         self.reqs: dict[str, Request] = {}
         self.steps = 0
         self._waiting: StepPlan | None = None  # a device-sampled step waiting for the bitmask
@@ -371,7 +376,7 @@ class StepEngine:
                 prompt_logprobs[req.req_id] = req.prompt_logprobs.tensors()
                 req.prompt_logprobs = None
         if result.tokens is not None or self.outputs is None:
-            return device_tokens_output(plan, sampling, result, prompt_logprobs)
+            return device_tokens_output(plan, sampling, result, prompt_logprobs, self.logprobs_sampler)
         logits = result.logits
         if sampling and (logits is None or len(logits) != len(sampling)):
             got = None if logits is None else len(logits)

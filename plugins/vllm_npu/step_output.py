@@ -12,8 +12,9 @@ Each sampled token is appended to the request record's output ids (the list the 
 and the output carries the sampled ids, the logprobs and any prompt logprobs of the step.
 
 A device that samples itself (Neuron's on-device sampling, MBLT's EAGLE-3 rounds) returns its
-tokens instead; :func:`device_tokens_output` appends them and reports the raw logprobs of the
-device's logits to the requests that asked.
+tokens instead; :func:`device_tokens_output` appends them and reports the logprobs of the
+device's logits to the requests that asked, as vLLM's sampler computes them
+(:func:`device_logprobs`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import numpy as np
 
 from vllm_npu.host_sampling import HostSampler, SampleRequest, scatter_logprobs
 
-__all__ = ["StepOutputs", "StepSample", "needs_grammar", "device_tokens_output", "raw_logprobs",
+__all__ = ["StepOutputs", "StepSample", "needs_grammar", "device_tokens_output", "device_logprobs",
            "grammar_token_masks"]
 
 
@@ -123,16 +124,19 @@ class StepOutputs:
 
 
 def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any,
-                         prompt_logprobs: Mapping[str, Any] | None = None):
+                         prompt_logprobs: Mapping[str, Any] | None = None, sampler: HostSampler | None = None):
     """The ``ModelRunnerOutput`` of a step whose device chose the tokens.
 
     Args:
         plan: the step's :class:`vllm_npu.step_engine.StepPlan`.
         sampling: its sampling rows (``plan.sampling``).
         result: the device's :class:`vllm_npu.step_engine.StepResult`; ``result.tokens[k]`` are
-            row ``k``'s tokens (appended to its record's outputs); with ``result.logits`` the
-            rows that asked for logprobs get the raw logprobs of their (single) token.
+            row ``k``'s tokens (appended to its record's outputs); with ``result.logits`` and a
+            ``sampler``, the rows that asked for logprobs get them for their (single) token
+            (:func:`device_logprobs`).
         prompt_logprobs: request id -> vLLM's ``LogprobsTensors`` of a prompt the step completed.
+        sampler: the host sampler whose metadata and ``--logprobs-mode`` the logprobs follow
+            (None: no logprobs; the platform refuses them).
 
     Raises:
         RuntimeError: a token list per sampling row is missing.
@@ -150,40 +154,41 @@ def device_tokens_output(plan: Any, sampling: Sequence[Any], result: Any,
         sampled[index[row.req.req_id]] = toks
         row.req.output_ids.extend(toks)
     logprobs = None
-    if result.logits is not None and sampling:
-        logprobs = raw_logprobs(result.logits, [r.req.params for r in sampling], [t[0] for t in tokens],
-                                [index[r.req.req_id] for r in sampling], len(order))
+    if result.logits is not None and sampling and sampler is not None:
+        lp = device_logprobs(sampler, result.logits, [r.req.sample_request() for r in sampling], [t[0] for t in tokens])
+        logprobs = scatter_logprobs(lp, [index[r.req.req_id] for r in sampling], len(order))
     return ModelRunnerOutput(req_ids=list(order), req_id_to_index=index, sampled_token_ids=sampled,
                              logprobs=logprobs, prompt_logprobs_dict=dict(prompt_logprobs or {}))
 
 
-def raw_logprobs(logits: np.ndarray, params: Sequence[Any], toks: Sequence[int], where: Sequence[int],
-                 num_reqs: int):
-    """vLLM's ``LogprobsLists`` of a device-sampled step: the raw logprobs of each row's
-    ``logits`` (float64 log-softmax), its token first, then the top ``k`` (descending, lowest id
-    first on ties), for the rows whose ``params`` asked; row ``r`` is request ``where[r]`` of
-    ``num_reqs``. None when no row asked."""
-    from vllm_npu.host_sampling import num_logprobs
+def device_logprobs(sampler: HostSampler, logits: np.ndarray, reqs: Sequence[SampleRequest], tokens: Sequence[int]):
+    """vLLM's ``LogprobsTensors`` of tokens a device chose, computed as vLLM's own sampler does
+    (``Sampler.forward``), in the server's ``--logprobs-mode``: the raw log-softmax (or raw
+    logits) of the device's logits; the processed modes from vLLM's processing of them with each
+    request's sampling parameters (temperature, top-k, top-p), on the host. The top ``k`` (or
+    the whole vocabulary for ``-1``) and ``logprob_token_ids`` (the named tokens, preferred when
+    both are asked, as vLLM does) are gathered around the device's token. None when no row
+    asked."""
+    import torch
 
-    vocab = logits.shape[1]
-    want = [n for p in params if (n := num_logprobs(p, vocab)) is not None]
-    if not want:
+    meta = sampler.metadata(reqs)
+    num = meta.max_num_logprobs
+    if num is None and not meta.logprob_token_ids:
         return None
-    from vllm.v1.outputs import LogprobsLists
-
-    k = max(want)
-    x = logits.astype(np.float64)
-    lse = np.log(np.exp(x - x.max(axis=1, keepdims=True)).sum(axis=1)) + x.max(axis=1)
-    lp = (x - lse[:, None]).astype(np.float32)
-    ids = np.zeros((num_reqs, k + 1), np.int64)
-    vals = np.zeros((num_reqs, k + 1), np.float32)
-    ranks = np.zeros((num_reqs,), np.int64)
-    for r, (tok, i) in enumerate(zip(toks, where)):
-        top = np.lexsort((np.arange(vocab), -lp[r]))
-        ids[i, 0], vals[i, 0] = tok, lp[r, tok]
-        ids[i, 1:], vals[i, 1:] = top[:k], lp[r, top[:k]]
-        ranks[i] = int((lp[r] > lp[r, tok]).sum()) + 1
-    return LogprobsLists(ids, vals, ranks, None)
+    vllm_sampler = sampler._sampler
+    t = torch.from_numpy(np.array(logits, dtype=np.float32, order="C", copy=True))
+    mode = sampler.logprobs_mode
+    if mode == "raw_logprobs":
+        lp = vllm_sampler.compute_logprobs(t)
+    elif mode == "raw_logits":
+        lp = t.clone()
+    else:  # processed_logprobs / processed_logits: after vLLM's processing of the request's parameters
+        x = vllm_sampler.apply_logits_processors(t.clone(), meta, False)
+        _sampled, lp = vllm_sampler.sample(x, meta)
+    sampled = torch.as_tensor(list(tokens), dtype=torch.long)
+    if meta.logprob_token_ids:
+        return vllm_sampler.gather_specific_token_logprobs(lp, meta.logprob_token_ids, sampled)
+    return vllm_sampler.gather_logprobs(lp, num, token_ids=sampled)
 
 
 def grammar_token_masks(scheduler_output: Any, grammar_output: Any, row_req_ids: Sequence[str],

@@ -17,7 +17,7 @@ from step_driver import Driver, greedy  # noqa: E402
 
 from vllm_npu.host_sampling import HostSampler  # noqa: E402
 from vllm_npu.step_engine import Request, RunnerHooks, StepEngine, StepPlan, StepResult, StepStateError  # noqa: E402
-from vllm_npu.step_output import StepOutputs, raw_logprobs  # noqa: E402
+from vllm_npu.step_output import StepOutputs, device_logprobs  # noqa: E402
 
 VOCAB = 64
 
@@ -143,18 +143,34 @@ def test_sample_tokens_without_a_waiting_step_is_an_error():
         engine.sample_tokens(None)
 
 
-def test_raw_logprobs_are_the_log_softmax_of_the_device_logits():
+@pytest.mark.parametrize("mode", ["raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits"])
+def test_device_tokens_get_the_logprobs_vllms_sampler_gives_the_same_tokens(mode):
+    """The logprobs of tokens a device chose are vLLM's own (``Sampler`` pieces) in the server's
+    ``--logprobs-mode``: for the tokens vLLM's sampler picks itself (greedy), equal to what the
+    host sampler returns; ``logprob_token_ids`` gathers the named tokens."""
+    from vllm.sampling_params import SamplingParams
+
+    from vllm_npu.host_sampling import SampleRequest
+
+    config = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_seqs=8), speculative_config=None,
+                             model_config=SimpleNamespace(logits_processors=None, logprobs_mode=mode))
+    sampler = HostSampler(VOCAB, vllm_config=config)
     rng = np.random.default_rng(0)
-    logits = rng.normal(size=(2, VOCAB)).astype(np.float32)
-    params = [SimpleNamespace(logprobs=3), SimpleNamespace(logprobs=None)]
-    lists = raw_logprobs(logits, params, [7, 9], [1, 0], 3)
-    x = logits.astype(np.float64)
-    ref = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
-    assert lists.logprob_token_ids[1, 0] == 7 and np.isclose(lists.logprobs[1, 0], ref[0, 7], atol=1e-6)
-    top = np.argsort(-ref[0])[:3]
-    assert list(lists.logprob_token_ids[1, 1:]) == list(top)
-    assert lists.sampled_token_ranks[1] == int((ref[0] > ref[0, 7]).sum()) + 1
-    assert not lists.logprob_token_ids[2].any(), "a request the step did not sample has a zero row"
+    logits = rng.normal(size=(3, VOCAB)).astype(np.float32)
+    params = [SamplingParams(temperature=0.0, logprobs=3), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.0, logprobs=1, logprob_token_ids=[7, 9])]
+    reqs = [SampleRequest(p, [1, 2], [], None) for p in params]
+    tokens, want = sampler.sample(logits, reqs)
+    got = device_logprobs(sampler, logits, reqs, tokens)
+    assert got.logprob_token_ids.tolist() == want.logprob_token_ids.tolist()
+    assert np.allclose(got.logprobs.numpy(), want.logprobs.numpy(), atol=1e-6, equal_nan=True)
+    assert got.selected_token_ranks.tolist() == want.selected_token_ranks.tolist()
+    if mode == "raw_logprobs":
+        x = logits.astype(np.float64)
+        ref = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+        assert np.isclose(got.logprobs[0, 0].item(), ref[0, tokens[0]], atol=1e-5)
+    assert got.logprob_token_ids[2, 1:3].tolist() == [7, 9], "vLLM prefers the named tokens when both are asked"
+    assert device_logprobs(sampler, logits, reqs[1:2], tokens[1:2]) is None
 
 
 def test_a_request_record_reads_its_tokens():

@@ -60,7 +60,6 @@ LOGITS_PROCESSOR_REFUSALS: tuple[Refusal, ...] = (
     Refusal("min_tokens", {"min_tokens": 2}),
     Refusal("logit_bias", {"logit_bias": {"5": 10}}),
     Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
-    Refusal("logprob_token_ids", {"logprobs": 1, "logprob_token_ids": [1, 2]}),
 )
 
 #: What every worker with host sampling still refuses (``vllm_npu._platform.refuse_unsampled``).

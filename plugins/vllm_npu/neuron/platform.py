@@ -238,10 +238,8 @@ class NeuronPlatform(NpuPlatform):
         fields = {name: getattr(params, name, None) for name in (
             "presence_penalty", "frequency_penalty", "repetition_penalty", "min_p", "logit_bias",
             "allowed_token_ids", "bad_words", "logits_processors", "min_tokens", "n",
-            "logprob_token_ids", "structured_outputs")}
+            "structured_outputs")}
         refused = ods_refusals(fields, async_scheduling=getattr(cls, "_async_on", False))
-        if params.logprob_token_ids:
-            refused.append(("logprob_token_ids", "logprob_token_ids"))
         if getattr(params, "prompt_logprob_token_ids", None) is not None:
             refused.append(("prompt_logprob_token_ids", "prompt_logprob_token_ids is not supported"))
         if getattr(params, "thinking_token_budget", None) not in (None, -1):

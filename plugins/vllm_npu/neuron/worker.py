@@ -137,11 +137,14 @@ class NeuronWorker(RunnerHooks, NpuWorker):
 
         self.metrics = NeuronMetrics(self.plan["model_name"], rank_id=int(self.local_rank))
         self.metrics.precreate(self.plan["prefill_names"], self.plan["decode_names"])
-        if not self.plan["on_device_sampling"]:
-            from vllm_npu.host_sampling import HostSampler
+        from vllm_npu.host_sampling import HostSampler
+
+        self.sampler = HostSampler(self._vocab, log=logger, vllm_config=self.vllm_config)
+        if self.plan["on_device_sampling"]:  # the host sampler only computes the tokens' logprobs
+            self.engine.logprobs_sampler = self.sampler
+        else:
             from vllm_npu.step_output import StepOutputs
 
-            self.sampler = HostSampler(int(self.model_config.get_vocab_size()), log=logger, vllm_config=self.vllm_config)
             self.engine.outputs = StepOutputs(self.sampler)
         logger.info("Neuron model %s: %d weight bytes on %s (%d logical cores, %.1f GiB HBM each), "
                     "%s sampling, Model Runner %s", self.plan["model_name"], self.plan["model_weight_bytes"],
