@@ -6,16 +6,15 @@ in a fresh interpreter by its test module (``test_mblt_worker.py``, ``test_rbln_
 vLLM resolves its platform once per process, the first time anything asks for it; in a
 full test session some earlier test has already resolved vLLM's CPU platform, so the cases,
 which build a real ``VllmConfig`` through a device's platform, run in a child pytest started
-with that device's ``NPU_HARNESS_TARGET`` from the start. Each case there is one test here that
-reports the child's outcome for it (with its failure text).
+with that device's ``NPU_HARNESS_TARGET`` from the start (forked from the prefork zygote, which
+has imported torch and transformers already: :func:`npu_conformance.prefork.run_python`). Each
+case there is one test here that reports the child's outcome for it (with its failure text).
 """
 
 from __future__ import annotations
 
 import ast
 import os
-import subprocess
-import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -33,6 +32,8 @@ def _case_names(device: str) -> list[str]:
 
 
 _RESULTS: dict[str, dict[str, list[tuple[str, str]]]] = {}
+#: ``python -c`` program of the child session: pytest on the cases file named in its arguments.
+_PYTEST = "import sys, pytest; sys.exit(pytest.main(sys.argv[1:]))"
 
 
 def case_params(device: str) -> list:
@@ -55,12 +56,12 @@ def check_case(device: str, case: str, tmp_path_factory) -> None:
 def _run(device: str, work: Path) -> dict[str, list[tuple[str, str]]]:
     cases, target = DEVICES[device]
     xml = work / "cases.xml"
+    from npu_conformance import prefork
+
     env = dict(os.environ, NPU_HARNESS_TARGET=target)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(HERE / cases), "-q", "-p", "no:cacheprovider",
-         f"--junitxml={xml}", "-o", "addopts="],
-        env=env, capture_output=True, text=True, timeout=1200, cwd=HERE.parents[1],
-    )
+    args = [str(HERE / cases), "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", "-o", "addopts=",
+            f"--rootdir={HERE.parents[1]}"]
+    proc = prefork.run_python(_PYTEST, args, env=env, timeout=1200)
     if not xml.exists():
         pytest.fail(f"the {device} worker cases did not run ({proc.returncode}):\n{proc.stdout[-4000:]}"
                     f"{proc.stderr[-2000:]}")
