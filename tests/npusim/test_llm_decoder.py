@@ -450,3 +450,22 @@ def test_moe_has_no_q4x32_path():
     cfg = ModelConfig.from_dict(make_config("qwen3_moe", vocab_size=1024))
     with pytest.raises(UnsupportedLinearError, match=r"linear='q4x32' does not cover Mixture-of-Experts layers \(qwen3_moe: 8 experts\)"):
         Decoder(cfg, make_weights(cfg), linear="q4x32")
+
+
+def test_fingerprint_names_the_parameters(tmp_path):
+    """Two decoders of one checkpoint share a fingerprint; another seed's weights do not."""
+    import json
+
+    from npusim.llm import Decoder, ModelConfig, save_safetensors
+    from npusim.tinymodel import make_config, make_weights
+
+    def build(d, seed):
+        d.mkdir()
+        cfg = make_config("llama")
+        (d / "config.json").write_text(json.dumps(cfg))
+        save_safetensors(d / "model.safetensors", make_weights(ModelConfig.from_dict(cfg), seed=seed))
+        return Decoder.from_pretrained(d)
+
+    a, b, c = build(tmp_path / "a", 0), build(tmp_path / "b", 0), build(tmp_path / "c", 1)
+    assert a.fingerprint() == b.fingerprint() != c.fingerprint()
+    assert len(a.fingerprint()) == 64

@@ -62,6 +62,12 @@ LOGITS_PROCESSOR_REFUSALS: tuple[Refusal, ...] = (
     Refusal("allowed_token_ids", {"allowed_token_ids": [5, 6]}),
 )
 
+#: ``tinymodel.build("llama", ...)`` overrides of the standard tiny llama, the one checkpoint every
+#: simulated lab serves (``head_dim`` 64: the width the RBLN CPU kernels of torch-rbln require,
+#: so the same model compiles for a board). One checkpoint for every target: a scenario whose
+#: answers equal the golden decoder on each target gives the same answers on all of them.
+STANDARD_TINY_OVERRIDES: Mapping[str, Any] = {"head_dim": 64}
+
 #: What every worker with host sampling still refuses (``vllm_npu._platform.refuse_unsampled``).
 HOST_SAMPLER_REFUSALS: tuple[Refusal, ...] = (
     Refusal("thinking_token_budget", {"thinking_token_budget": 8}),
@@ -90,10 +96,22 @@ def random_prompts(n: int, length: int, seed: int = 0) -> list[list[int]]:
     return [rng.integers(10, 1000, size=length).tolist() for _ in range(n)]
 
 
+#: (checkpoint digest, prompt, n) -> the golden decoder's greedy tokens, for this process: every
+#: simulated lab serves one checkpoint (:data:`STANDARD_TINY_OVERRIDES`), so a prompt another
+#: target's scenario already decoded is not decoded again.
+_GOLDEN_GREEDY: dict[tuple[str, tuple[int, ...], int], list[int]] = {}
+
+
 def golden_ids(lab: DeviceLab, prompt: Sequence[int], n: int) -> list[int] | None:
-    """The golden decoder's ``n`` greedy tokens after ``prompt``; None on hardware."""
+    """The golden decoder's ``n`` greedy tokens after ``prompt``; None on hardware (remembered
+    per checkpoint for this process: :data:`_GOLDEN_GREEDY`)."""
     golden = lab.golden()
-    return None if golden is None else [int(t) for t in golden.generate_greedy(list(prompt), n)]
+    if golden is None:
+        return None
+    key = (golden.fingerprint(), tuple(int(t) for t in prompt), int(n))
+    if key not in _GOLDEN_GREEDY:
+        _GOLDEN_GREEDY[key] = [int(t) for t in golden.generate_greedy(list(prompt), n)]
+    return list(_GOLDEN_GREEDY[key])
 
 
 @dataclass(frozen=True)
@@ -297,7 +315,7 @@ class TinyModelLab(DeviceLab):
     #: Variable naming another model directory on hardware (``NPU_HARNESS_RBLN_MODEL``...).
     model_env: ClassVar[str] = ""
     #: ``tinymodel.build`` overrides of the standard tiny llama, and its directory name.
-    tiny_overrides: ClassVar[Mapping[str, Any]] = {}
+    tiny_overrides: ClassVar[Mapping[str, Any]] = STANDARD_TINY_OVERRIDES
     tiny_name: ClassVar[str] = "tiny-llama"
 
     @property

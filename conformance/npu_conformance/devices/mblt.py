@@ -31,7 +31,7 @@ from typing import Any, ClassVar
 
 from npu_conformance import prefork
 from npu_conformance import vllm_server as vs
-from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, HOST_SERVING_ARGS, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
+from npu_conformance.devices.base import HOST_SAMPLER_REFUSALS, HOST_SERVING_ARGS, STANDARD_TINY_OVERRIDES, ArtifactUnavailable, DeviceLab, FaultPlan, FaultsUnsupported, Refusal
 
 ARTIFACT_ENV = "NPU_HARNESS_MBLT_ARTIFACT"
 #: A Mobilint Mixture-of-Experts release directory (e.g. mobilint/Qwen3-30B-A3B) for ``mblt-hw``.
@@ -160,7 +160,7 @@ class MbltLab(DeviceLab):
         if self._hf_dir is None:
             from npusim import tinymodel
 
-            self._hf_dir = tinymodel.build("llama", self.workdir / "tiny-llama")
+            self._hf_dir = tinymodel.build("llama", self.workdir / "tiny-llama", **dict(STANDARD_TINY_OVERRIDES))
         return self._hf_dir
 
     def golden(self):

@@ -1,7 +1,8 @@
 """The RBLN device for the serving suite and the RBLN scenarios.
 
-* On ``rbln-sim`` the model is a tiny llama built here (``head_dim`` 64, the width the RBLN
-  CPU kernels of torch-rbln require, so the same model compiles for a board), served with
+* On ``rbln-sim`` the model is the standard tiny llama of every lab
+  (:data:`npu_conformance.devices.base.STANDARD_TINY_OVERRIDES`: ``head_dim`` 64, the width the
+  RBLN CPU kernels of torch-rbln require, so the same model compiles for a board), served with
   ``vllm serve`` and compiled at engine start by the vendor's optimum-rbln on ``npusim.rbln``
   into a compile cache of this session (``VLLM_CACHE_ROOT``); the golden decoder
   (``npusim.llm``) is the reference for greedy outputs.
@@ -36,7 +37,6 @@ SERVING_ARGS: tuple[str, ...] = (
     "--rbln-optimum-overrides", json.dumps({"decoder_batch_sizes": [4, 2, 1]}),
 )
 #: The tiny model of the RBLN scenarios: the standard tiny llama with 64-wide heads.
-TINY_OVERRIDES: dict[str, Any] = {"head_dim": 64}
 
 
 @dataclass
@@ -44,8 +44,6 @@ class RblnLab(TinyModelLab):
     """Per-session models, compile cache and servers for one RBLN target."""
 
     model_env: ClassVar[str] = MODEL_ENV
-    tiny_overrides: ClassVar[dict[str, Any]] = TINY_OVERRIDES
-    tiny_name: ClassVar[str] = "tiny-llama-hd64"
     device: ClassVar[str] = "rbln"
     max_model_len: ClassVar[int] = 1024
     #: Runtime calls a fault plan lets pass before it strikes: more than the engine's start-up

@@ -51,6 +51,7 @@ gate/up fused as vLLM fuses them; see :mod:`npusim.llm.qlinear`.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -231,6 +232,19 @@ class Decoder:
                         "down": FusedQ4Linear([L["wd"]], ["down_proj"], source=src),
                     }
                 )
+
+    def fingerprint(self) -> str:
+        """A SHA-256 of the configuration, the linear kind, the dtype and every parameter:
+        two decoders with one fingerprint compute the same logits (computed once)."""
+        if getattr(self, "_fingerprint", None) is None:
+            h = hashlib.sha256(f"{self.config!r}|{self.linear}|{np.dtype(self.dtype).name}".encode())
+            arrays = [self._embed, self._lm_head, self._final_norm]
+            for layer in self._layers:
+                arrays += [layer[k] for k in sorted(layer) if isinstance(layer[k], np.ndarray)]
+            for a in arrays:
+                h.update(np.ascontiguousarray(a).tobytes())
+            self._fingerprint = h.hexdigest()
+        return self._fingerprint
 
     def _load_layer(self, i: int, w: Mapping[str, np.ndarray], *, experts: bool = True) -> dict[str, np.ndarray | None]:
         """Layer ``i``'s weights from ``w`` (float64 copies) under the names the evaluation uses;
