@@ -16,6 +16,26 @@ from typing import Any
 import numpy as np
 import pytest
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items) -> None:  # noqa: ARG001
+    """In a run that selects the torch-free child (``test_npusim_numpy_only.py``), the modules
+    whose every test passes there (:data:`numpy_only_modules.NUMPY_ONLY_MODULES`) run once, in
+    that child: they are deselected here (after ``-k`` / ``-m``, so a run that deselects the
+    child keeps them)."""
+    from numpy_only_modules import NUMPY_ONLY_MODULES, RUNNER
+
+    here = Path(__file__).resolve().parent
+    if not any(item.nodeid.endswith(RUNNER) for item in items):
+        return
+    keep, drop = [], []
+    for item in items:
+        path = Path(str(item.fspath)).resolve()
+        (drop if path.parent == here and path.stem in NUMPY_ONLY_MODULES else keep).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 # Max |numpy - reference| measured by the tests, printed in the terminal summary.
 _DIFFS: dict[str, float] = {}
 

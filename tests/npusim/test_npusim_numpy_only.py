@@ -149,15 +149,32 @@ def test_rbln_device_model_imports_without_torch(tmp_path):
             "'npusim.rbln.parts', 'npusim.rbln.rblnfile']") in proc.stdout, proc.stdout
 
 
-def test_npusim_tests_pass_without_torch():
+def test_npusim_tests_pass_without_torch(tmp_path):
+    """Every ``tests/npusim`` test passes with torch blocked, or skips naming the import; the
+    modules of :data:`numpy_only_modules.NUMPY_ONLY_MODULES` (which a whole run runs here only)
+    ran without a single skip."""
+    import xml.etree.ElementTree as ET
+
+    from numpy_only_modules import NUMPY_ONLY_MODULES
+
+    xml = tmp_path / "child.xml"
     proc = _run(
         "import pytest\n"
         f"sys.exit(pytest.main(['-q', '-p', 'no:cacheprovider', '-p', 'no:randomly', "
-        f"'{HERE}', '--ignore', '{Path(__file__).resolve()}', '-rs']))\n"
+        f"'{HERE}', '--ignore', '{Path(__file__).resolve()}', '-rs', '--junitxml', '{xml}']))\n"
     )
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
     assert proc.returncode == 0, tail
     assert "passed" in proc.stdout and "could not import 'torch'" in proc.stdout, tail
+    ran: dict[str, int] = {}
+    skipped: dict[str, int] = {}
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        mod = case.get("classname", "").rsplit(".", 1)[-1]
+        ran[mod] = ran.get(mod, 0) + 1
+        if any(child.tag == "skipped" for child in case):
+            skipped[mod] = skipped.get(mod, 0) + 1
+    assert not NUMPY_ONLY_MODULES - set(ran), f"not run here: {sorted(NUMPY_ONLY_MODULES - set(ran))}"
+    assert not {m: n for m, n in skipped.items() if m in NUMPY_ONLY_MODULES}, skipped
 
 
 def test_npusim_mxq_runs_without_torch(tmp_path):
