@@ -328,8 +328,9 @@ class StepEngine:
         if not plan.rows:
             return ModelRunnerOutput(req_ids=[], req_id_to_index={})
         self.steps += 1
-        if self.outputs is None and any(getattr(r.req.params, "structured_outputs", None) is not None
-                                        for r in plan.sampling):
+        from vllm_npu.step_output import needs_grammar
+
+        if self.outputs is None and needs_grammar([r.req for r in plan.sampling]):
             self._waiting = plan  # the device samples under the grammar: run it with the bitmask
             return None
         return self._run(plan)

@@ -55,8 +55,9 @@ class StepSample:
     prompt_logprobs: Mapping[str, Any] = field(default_factory=dict)
 
 
-def needs_grammar(reqs: Sequence[SampleRequest]) -> bool:
-    """Whether a row samples under a grammar (``structured_outputs`` set: JSON schema, regex,
+def needs_grammar(reqs: Sequence[Any]) -> bool:
+    """Whether a row (anything with ``params``: a :class:`SampleRequest`, a step engine
+    ``Request``) samples under a grammar (``structured_outputs`` set: JSON schema, regex,
     choice, grammar, or a tool call vLLM constrains)."""
     return any(getattr(r.params, "structured_outputs", None) is not None for r in reqs)
 

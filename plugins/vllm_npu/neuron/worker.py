@@ -442,9 +442,8 @@ class NeuronWorker(RunnerHooks, NpuWorker):
         if self.plan["prompt_embeds"]:
             inputs.update(self._embeds_inputs(seq, start, n, t))
         if self.plan["on_device_sampling"]:
-            inputs.update(self._sampling_inputs([seq], 1, None if mask is None else mask[None]) if sample else
-                          {"sampling_params": np.zeros((1, 3), np.float32), "rand": np.zeros((1,), np.float32),
-                           "logit_mask": np.ones((1, self._vocab), np.int32)})
+            # without ``sample``, the one row is padding: neutral parameters, no uniform drawn
+            inputs.update(self._sampling_inputs([seq] if sample else [], 1, None if mask is None else mask[None]))
         out = self._run(name, name, f"prefill of {seq.req_id} ({n} tokens on {name})", inputs)
         self.stats["prefills"] += 1
         self.stats["padded_tokens"] += t - n
